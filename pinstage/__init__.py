@@ -1,0 +1,59 @@
+"""pinstage: move data from host memory to an accelerator without stalling the host by accident.
+
+The names follow vLLM's host-to-device helpers so engine code ports by changing an import.
+Importing pinstage does no device work and never initialises CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._audit import Finding, HiddenSyncError, SyncReport, audit
+from ._buffers import (
+    CpuGpuBuffer,
+    NonUvaBuffer,
+    UvaBackedTensor,
+    UvaBuffer,
+    UvaBufferPool,
+    set_default_max_concurrency,
+)
+from ._capabilities import Capabilities, capabilities, is_pin_memory_available, is_uva_available
+from ._copies import async_tensor_h2d, h2d_many, np_to_pinned_tensor, synchronize
+from ._errors import PinstageError, ValueOverflowError
+from ._memory import host_memory_stats
+from ._staged import StagedWriteTensor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Capabilities",
+    "CpuGpuBuffer",
+    "Finding",
+    "HiddenSyncError",
+    "NonUvaBuffer",
+    "PIN_MEMORY",
+    "PinstageError",
+    "StagedWriteTensor",
+    "SyncReport",
+    "UvaBackedTensor",
+    "UvaBuffer",
+    "UvaBufferPool",
+    "ValueOverflowError",
+    "async_tensor_h2d",
+    "audit",
+    "capabilities",
+    "h2d_many",
+    "host_memory_stats",
+    "is_pin_memory_available",
+    "is_uva_available",
+    "np_to_pinned_tensor",
+    "set_default_max_concurrency",
+    "synchronize",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # vLLM's module-level PIN_MEMORY, evaluated when read (never at import).
+    if name == "PIN_MEMORY":
+        return is_pin_memory_available()
+    raise AttributeError(f"module 'pinstage' has no attribute {name!r}")

@@ -1,0 +1,238 @@
+"""The device seam: one small interface through which every primitive does its device work.
+
+Implementations:
+
+* :class:`CpuBackend` - the target is the host: plain copies, "UVA" is the host tensor itself.
+* :class:`GenericBackend` - another torch device type (``meta``, ``xpu``, ``mps``...): plain
+  torch copies, no pinned staging.
+* ``CudaBackend`` (``_cuda.py``) - CUDA and ROCm through ``torch.cuda``; the only module that
+  touches ``torch.cuda``.
+* ``SimBackend`` (``testing.py``) - the simulated accelerator.
+
+Primitives never branch on the device type; they ask :func:`get_backend` and use these methods.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ._memory import HostRegion, StagingArena, staging_limit
+
+__all__ = ["Backend", "Probe", "CpuBackend", "GenericBackend", "get_backend", "resolve_device"]
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Platform facts a backend found for its device (policy is applied later)."""
+
+    accelerator: bool
+    can_pin: bool
+    uva: bool
+    reasons: tuple[str, ...] = ()
+    staging_limit: int | None = None  # a platform-imposed default cap (e.g. WSL)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Backend:
+    """What a primitive may ask of a device. Copies and launches go on the current stream."""
+
+    device: torch.device
+    name: str = "base"
+    accelerator: bool = True
+
+    def __init__(self) -> None:
+        self.stalls = 0  # host waits for unfinished device work inside pinstage calls
+        self._arena: StagingArena | None = None
+        self._arena_lock = threading.Lock()
+
+    # -- facts -------------------------------------------------------------------------------
+    def probe(self) -> Probe:
+        raise NotImplementedError
+
+    # -- memory ------------------------------------------------------------------------------
+    def alloc_pinned(self, nbytes: int, *, in_use: bool = True) -> torch.Tensor:
+        """A zero-filled uint8 host tensor of exactly ``nbytes``, pinned for this device."""
+        raise RuntimeError(f"{self.name} target has no pinned host memory")
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        return False
+
+    def is_device_tensor(self, t: torch.Tensor) -> bool:
+        """True for tensors that live on this target (never true for host inputs)."""
+        return t.device.type == self.device.type and self.accelerator
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(tuple(shape), dtype=dtype, device=self.device)
+
+    def zeros(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(tuple(shape), dtype=dtype, device=self.device)
+
+    # -- device work -------------------------------------------------------------------------
+    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, label: str = "") -> None:
+        """host -> device; asynchronous when ``src`` is pinned and contiguous."""
+        raise NotImplementedError
+
+    def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, label: str = "") -> None:
+        """device -> host; asynchronous when ``dst`` is pinned."""
+        raise NotImplementedError
+
+    def copy_d2d(self, dst: torch.Tensor, src: torch.Tensor, label: str = "") -> None:
+        """device -> device (or UVA view -> device), on the stream."""
+        dst.copy_(src, non_blocking=True)
+
+    def launch(self, fn: Callable[..., Any], *args: Any, reads: Sequence[torch.Tensor] = (),
+               writes: Sequence[torch.Tensor] = (), label: str = "", **kwargs: Any) -> None:
+        """Enqueue ``fn(*args, **kwargs)``, a kernel made of torch ops on device tensors.
+        ``reads``/``writes`` name memory it touches beyond its tensor arguments (the simulator
+        checks reads of host memory; tensor arguments also in ``writes`` are outputs)."""
+        fn(*args, **kwargs)
+
+    def record_event(self) -> Any:
+        return None
+
+    def event_done(self, event: Any) -> bool:
+        return True
+
+    def wait_event(self, event: Any) -> None:
+        """Host waits for ``event``; counted as a stall when the work was not done yet."""
+
+    def uva_view(self, host: torch.Tensor) -> torch.Tensor:
+        """A device tensor aliasing pinned ``host`` memory."""
+        raise RuntimeError(f"{self.name} target has no UVA views")
+
+    def synchronize(self) -> None:
+        """Wait for all device work pinstage issued on this target."""
+
+    # -- shared helpers ----------------------------------------------------------------------
+    def arena(self) -> StagingArena:
+        """This target's pinned staging arena, made on first use."""
+        if self._arena is None:
+            with self._arena_lock:
+                if self._arena is None:
+                    limit = staging_limit(self.probe().staging_limit or staging_limit())
+                    self._arena = StagingArena(self, limit)
+        return self._arena
+
+
+def host_region_tensor(nbytes: int, *, in_use: bool = True,
+                       pin: Callable[[int, int], None] | None = None,
+                       unpin: Callable[[int, int], None] | None = None,
+                       on_free: Callable[[HostRegion], None] | None = None) -> torch.Tensor:
+    region = HostRegion(nbytes, pin=pin, unpin=unpin, on_free=on_free, in_use=in_use)
+    return region.as_tensor()
+
+
+class CpuBackend(Backend):
+    """The host is the target: everything is finished when the call returns."""
+
+    name = "cpu"
+    accelerator = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.device = torch.device("cpu")
+
+    def probe(self) -> Probe:
+        return Probe(accelerator=False, can_pin=False, uva=True,
+                     reasons=("no accelerator: CPU target (host memory is device memory)",))
+
+    def is_device_tensor(self, t: torch.Tensor) -> bool:
+        return False
+
+    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, label: str = "") -> None:
+        dst.copy_(src)  # host -> host
+
+    def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, label: str = "") -> None:
+        dst.copy_(src)
+
+    def copy_d2d(self, dst: torch.Tensor, src: torch.Tensor, label: str = "") -> None:
+        dst.copy_(src)
+
+    def uva_view(self, host: torch.Tensor) -> torch.Tensor:
+        return host
+
+
+class GenericBackend(Backend):
+    """Another torch device type: plain torch copies, no pinned staging or UVA.
+
+    Copies here are blocking when the device is real; that is the platform's limit and is said
+    in ``capabilities().reasons``. ``meta`` stands in for an accelerator in audit tests.
+    """
+
+    name = "generic"
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.name = device.type
+
+    def probe(self) -> Probe:
+        return Probe(accelerator=True, can_pin=False, uva=False, reasons=(
+            f"{self.device.type} device: pinstage stages through pinned memory only on "
+            "CUDA/ROCm; copies here are plain torch copies",))
+
+    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, label: str = "") -> None:
+        dst.copy_(src)
+
+    def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, label: str = "") -> None:
+        dst.copy_(src)
+
+    def copy_d2d(self, dst: torch.Tensor, src: torch.Tensor, label: str = "") -> None:
+        dst.copy_(src)
+
+
+_CPU = CpuBackend()
+_GENERIC: dict[torch.device, GenericBackend] = {}
+_lock = threading.Lock()
+
+# The simulator installs itself here (pinstage.testing); a stack so contexts can nest.
+SIM_STACK: list[Any] = []
+
+
+def _cuda_module() -> Any:
+    from . import _cuda
+
+    return _cuda
+
+
+def resolve_device(device: Any = None) -> torch.device:
+    """The target for ``device`` (``None``: the simulator, else the current accelerator, else
+    the CPU), with its index."""
+    if SIM_STACK and (device is None or torch.device(device) == SIM_STACK[-1].device):
+        return SIM_STACK[-1].device
+    if device is None:
+        cuda = _cuda_module()
+        if cuda.available():
+            return cuda.current_device()
+        return torch.device("cpu")
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"device must be a torch.device, a string or an int, got {device!r}")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"device {device!r} is not a device: {exc}") from None
+    if dev.type == "cuda" and dev.index is None:
+        dev = _cuda_module().current_device()
+    return dev
+
+
+def get_backend(device: Any = None) -> Backend:
+    """The backend that serves ``device`` (see :func:`resolve_device`)."""
+    if SIM_STACK:
+        sim = SIM_STACK[-1]
+        if device is None or torch.device(device) == sim.device:
+            return sim.backend  # type: ignore[no-any-return]
+    dev = resolve_device(device)
+    if dev.type == "cpu":
+        return _CPU
+    if dev.type == "cuda":
+        return _cuda_module().backend_for(dev)  # type: ignore[no-any-return]
+    with _lock:
+        if dev not in _GENERIC:
+            _GENERIC[dev] = GenericBackend(dev)
+        return _GENERIC[dev]

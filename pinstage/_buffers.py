@@ -1,0 +1,296 @@
+"""Buffers that pair host memory with device memory or a device view of it.
+
+* :class:`CpuGpuBuffer` - a host tensor (pinned where pinning is in use) and a device tensor.
+* :class:`UvaBuffer` - pinned host memory and a device view aliasing it (no copies).
+* :class:`NonUvaBuffer` - the same interface where UVA is off: ``uva()`` copies.
+* :class:`UvaBufferPool` - round-robin slots whose reuse is fenced by events, not convention.
+* :class:`UvaBackedTensor` - ordinary host memory as the source of truth, uploaded through a
+  pool.
+
+Memory reuse rule, everywhere: pinstage rewrites host memory the device may read only after an
+event recorded after that read has completed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._backend import Backend, get_backend
+from ._capabilities import Capabilities, capabilities_for
+from ._copies import HostSource
+from ._dtypes import check_dtype, itemsize, torch_to_numpy
+from ._errors import describe
+
+__all__ = ["CpuGpuBuffer", "UvaBuffer", "NonUvaBuffer", "UvaBufferPool", "UvaBackedTensor",
+           "set_default_max_concurrency", "get_default_max_concurrency"]
+
+_DEFAULT_MAX_CONCURRENCY = 2
+_default_lock = threading.Lock()
+
+
+def set_default_max_concurrency(n: int) -> None:
+    """Default slot count of pools made afterwards (>= the number of engine steps in flight)."""
+    global _DEFAULT_MAX_CONCURRENCY
+    _DEFAULT_MAX_CONCURRENCY = _check_concurrency(n)
+
+
+def get_default_max_concurrency() -> int:
+    return _DEFAULT_MAX_CONCURRENCY
+
+
+def _check_concurrency(n: Any) -> int:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+        raise TypeError(f"max_concurrency must be an int >= 1, got {describe(n)}")
+    if n < 1:
+        raise ValueError(f"max_concurrency must be >= 1, got {n}")
+    return int(n)
+
+
+def _shape(size: Any, what: str = "size") -> tuple[int, ...]:
+    if isinstance(size, (int, np.integer)) and not isinstance(size, bool):
+        dims: Sequence[Any] = (size,)
+    elif isinstance(size, (tuple, list, torch.Size)):
+        dims = size
+    else:
+        raise TypeError(f"{what} must be an int or a sequence of ints, got {describe(size)}")
+    out = []
+    for d in dims:
+        if isinstance(d, bool) or not isinstance(d, (int, np.integer)):
+            raise TypeError(f"{what} must hold ints, got {describe(d)} in {tuple(dims)!r}")
+        if d < 0:
+            raise ValueError(f"{what} must not be negative, got {tuple(dims)!r}")
+        out.append(int(d))
+    if not out:
+        raise ValueError(f"{what} needs at least one dimension, got {tuple(dims)!r}")
+    return tuple(out)
+
+
+def _check_n(n: Any, rows: int) -> int:
+    if n is None:
+        return rows
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+        raise TypeError(f"n must be an int or None, got {describe(n)}")
+    if not 0 <= n <= rows:
+        raise ValueError(f"n={n} is outside 0..{rows} (the buffer's first dimension)")
+    return int(n)
+
+
+def _host(backend: Backend, shape: tuple[int, ...], dtype: torch.dtype,
+          pinned: bool) -> torch.Tensor:
+    """Zero-filled host memory; pinned (exact size) when asked."""
+    if not pinned:
+        return torch.zeros(shape, dtype=dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize(dtype)
+    mem = backend.alloc_pinned(nbytes)
+    return mem.view(dtype).view(shape) if nbytes else torch.zeros(shape, dtype=dtype)
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray | None:
+    return t.numpy() if torch_to_numpy(t.dtype) is not None else None
+
+
+class CpuGpuBuffer:
+    """A host tensor ``.cpu`` (with ``.np``) and a device tensor ``.gpu`` of one shape.
+
+    ``.cpu`` is read in place by ``copy_to_gpu``: don't change ``.cpu[:n]`` until that copy has
+    completed (an event or ``synchronize()`` tells).
+    """
+
+    def __init__(self, *size: Any, dtype: torch.dtype, device: Any,
+                 pin_memory: bool | None = None, with_numpy: bool = True) -> None:
+        if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+            size = tuple(size[0])
+        shape = _shape(tuple(size))
+        check_dtype(dtype)
+        if with_numpy and torch_to_numpy(dtype) is None:
+            raise ValueError(f"dtype {dtype} has no NumPy equivalent: pass with_numpy=False")
+        self._backend = backend = get_backend(device)
+        caps = capabilities_for(backend)
+        if pin_memory is None:
+            pinned = caps.pin_memory
+        else:
+            pinned = bool(pin_memory)
+            if pinned and not caps.can_pin:
+                raise RuntimeError(f"pin_memory=True but pinned memory is unavailable for "
+                                   f"{backend.device}: " + "; ".join(caps.reasons))
+        self.dtype = dtype
+        self.device = backend.device
+        self.cpu = _host(backend, shape, dtype, pinned)
+        self.gpu = backend.zeros(shape, dtype) if backend.accelerator else \
+            torch.zeros(shape, dtype=dtype)
+        self.np = self.cpu.numpy() if with_numpy else None
+
+    def copy_to_gpu(self, n: int | None = None) -> torch.Tensor:
+        """Enqueue ``.cpu[:n] -> .gpu[:n]``; returns ``.gpu[:n]``."""
+        n = _check_n(n, self.cpu.shape[0])
+        self._backend.copy_h2d(self.gpu[:n], self.cpu[:n], "CpuGpuBuffer.copy_to_gpu")
+        return self.gpu[:n]
+
+    def copy_to_cpu(self, n: int | None = None) -> torch.Tensor:
+        """Enqueue ``.gpu[:n] -> .cpu[:n]``; returns ``.cpu[:n]``, valid after a synchronize."""
+        n = _check_n(n, self.cpu.shape[0])
+        self._backend.copy_d2h(self.cpu[:n], self.gpu[:n], "CpuGpuBuffer.copy_to_cpu")
+        return self.cpu[:n]
+
+
+class UvaBuffer:
+    """Pinned host memory ``.cpu``/``.np`` and ``uva(n)``: a device tensor aliasing it, so host
+    writes are visible to the device with no copy call. Raises ``RuntimeError`` without UVA."""
+
+    def __init__(self, size: Any, dtype: torch.dtype, device: Any = None) -> None:
+        shape = _shape(size)
+        check_dtype(dtype)
+        self._backend = backend = get_backend(device)
+        caps = capabilities_for(backend)
+        if not caps.uva:
+            raise RuntimeError(f"UVA is not available for {backend.device}: "
+                               + "; ".join(caps.reasons) + " (use NonUvaBuffer)")
+        self.dtype = dtype
+        self.device = backend.device
+        self.cpu = _host(backend, shape, dtype, backend.accelerator)
+        self.np = _numpy(self.cpu)
+        self._view = backend.uva_view(self.cpu)
+
+    def uva(self, n: int | None = None) -> torch.Tensor:
+        """The device view of ``.cpu[:n]``."""
+        return self._view[: _check_n(n, self.cpu.shape[0])]
+
+
+class NonUvaBuffer:
+    """``UvaBuffer``'s interface without UVA: ``uva(n)`` copies ``.cpu[:n]`` into device memory
+    (reused by the next call; non-blocking where ``.cpu`` is pinned)."""
+
+    def __init__(self, size: Any, dtype: torch.dtype, device: Any = None) -> None:
+        shape = _shape(size)
+        check_dtype(dtype)
+        self._backend = backend = get_backend(device)
+        caps = capabilities_for(backend)
+        self.dtype = dtype
+        self.device = backend.device
+        self.cpu = _host(backend, shape, dtype, caps.pin_memory)
+        self.np = _numpy(self.cpu)
+        self._dev = backend.empty(shape, dtype) if backend.accelerator else \
+            torch.empty(shape, dtype=dtype)
+
+    def uva(self, n: int | None = None) -> torch.Tensor:
+        """Device memory holding ``.cpu[:n]`` as it is now."""
+        n = _check_n(n, self.cpu.shape[0])
+        self._backend.copy_h2d(self._dev[:n], self.cpu[:n], "NonUvaBuffer.uva")
+        return self._dev[:n]
+
+
+class UvaBufferPool:
+    """Round-robin device-visible staging slots whose reuse is fenced.
+
+    At each hand-out the pool records an event for the previous one (whose device readers the
+    caller has enqueued by then); a slot is rewritten only after its event has completed, so
+    reuse never changes data the device may still read.
+    """
+
+    def __init__(self, size: Any, dtype: torch.dtype, max_concurrency: int | None = None,
+                 device: Any = None) -> None:
+        self.size = _shape(size)
+        self.dtype = check_dtype(dtype)
+        self.max_concurrency = _check_concurrency(
+            _DEFAULT_MAX_CONCURRENCY if max_concurrency is None else max_concurrency)
+        self._backend = backend = get_backend(device)
+        self.device = backend.device
+        self.caps: Capabilities = capabilities_for(backend)
+        self._slots: list[UvaBuffer | NonUvaBuffer] = [
+            self._new_slot(self.size) for _ in range(self.max_concurrency)]
+        self._events: list[Any] = [None] * self.max_concurrency
+        self._curr = -1
+        self._last: int | None = None
+
+    @property
+    def uses_uva(self) -> bool:
+        return self.caps.uva
+
+    def _new_slot(self, shape: tuple[int, ...]) -> UvaBuffer | NonUvaBuffer:
+        cls = UvaBuffer if self.caps.uva else NonUvaBuffer
+        return cls(shape, self.dtype, self.device)
+
+    def _source(self, x: Any) -> HostSource:
+        src = HostSource(x, self.dtype, self._backend, what="x")
+        if len(src.shape) == 0:
+            raise ValueError(f"x must have at least one dimension (rows), got a scalar {x!r}")
+        if src.shape[1:] != self.size[1:]:
+            raise ValueError(f"x has shape {src.shape}; its trailing dimensions must be "
+                             f"{self.size[1:]} (the pool's size is {self.size})")
+        return src
+
+    def _take(self, rows: int) -> UvaBuffer | NonUvaBuffer:
+        """The next slot, once the device is done with it; grown when too small."""
+        if self._last is not None:
+            self._events[self._last] = self._backend.record_event()
+        self._curr = (self._curr + 1) % self.max_concurrency
+        event = self._events[self._curr]
+        if event is not None:
+            self._backend.wait_event(event)  # a host stall only if the device still reads it
+            self._events[self._curr] = None
+        self._last = self._curr
+        slot = self._slots[self._curr]
+        if rows > slot.cpu.shape[0]:
+            cap = 1 << (rows - 1).bit_length()
+            slot = self._slots[self._curr] = self._new_slot((cap, *self.size[1:]))
+        return slot
+
+    def _fill(self, src: HostSource) -> tuple[UvaBuffer | NonUvaBuffer, int]:
+        rows = src.shape[0]
+        slot = self._take(rows)
+        mem = slot.cpu.view(-1).view(torch.uint8) if slot.cpu.numel() else None
+        if mem is not None and src.nbytes:
+            src.write_into(mem, mem.numpy(), 0)  # host write into the fenced slot
+        return slot, rows
+
+    def copy_to_uva(self, x: Any) -> torch.Tensor:
+        """A device-visible tensor with ``len(x)`` rows holding ``x``."""
+        slot, rows = self._fill(self._source(x))
+        return slot.uva(rows)
+
+    def copy_to_gpu(self, x: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Device-resident memory (not aliasing host memory) holding ``x``; ``out`` if given."""
+        src = self._source(x)
+        src_shape = src.shape
+        if out is not None:
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(f"out must be a device tensor, got {describe(out)}")
+            if tuple(out.shape) != src_shape or out.dtype != self.dtype:
+                raise ValueError(f"out has shape {tuple(out.shape)} and dtype {out.dtype}; "
+                                 f"expected {src_shape} and {self.dtype}")
+        slot, rows = self._fill(src)
+        backend = self._backend
+        dst = out if out is not None else (
+            backend.empty(src_shape, self.dtype) if backend.accelerator else
+            torch.empty(src_shape, dtype=self.dtype))
+        if isinstance(slot, UvaBuffer):
+            backend.copy_d2d(dst, slot.uva(rows), "UvaBufferPool.copy_to_gpu")  # UVA -> device
+        else:
+            backend.copy_h2d(dst, slot.cpu[:rows], "UvaBufferPool.copy_to_gpu")  # host -> dev
+        return dst
+
+
+class UvaBackedTensor:
+    """``.cpu`` (ordinary host memory, the source of truth) uploaded through a
+    :class:`UvaBufferPool`; ``.gpu`` is the device-visible copy of the last upload."""
+
+    def __init__(self, size: Any, dtype: torch.dtype, max_concurrency: int | None = None,
+                 device: Any = None) -> None:
+        shape = _shape(size)
+        self.dtype = check_dtype(dtype)
+        self.pool = UvaBufferPool(shape, dtype, max_concurrency, device)
+        self.device = self.pool.device
+        self.cpu = torch.zeros(shape, dtype=dtype)
+        self.np = _numpy(self.cpu)
+        self.gpu = self.pool.copy_to_uva(self.cpu)
+
+    def copy_to_uva(self, n: int | None = None) -> torch.Tensor:
+        """Upload ``.cpu[:n]``; updates and returns ``.gpu``."""
+        n = _check_n(n, self.cpu.shape[0])
+        self.gpu = self.pool.copy_to_uva(self.cpu[:n])
+        return self.gpu

@@ -1,0 +1,117 @@
+"""What this process can do for a device (probe) and what pinstage will use (policy).
+
+Probes are the backend's (cached per device, run on first ask, never at import); the policy
+(``PINSTAGE_PIN_MEMORY`` / ``PINSTAGE_UVA``: ``auto``, ``0`` or ``1``) is read on every call.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._backend import Backend, get_backend
+
+__all__ = ["Capabilities", "capabilities", "is_pin_memory_available", "is_uva_available"]
+
+_POLICY_VALUES = ("auto", "0", "1")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What pinstage will do for ``device``; ``reasons`` says why, one line per decision."""
+
+    device: torch.device
+    accelerator: bool
+    can_pin: bool
+    pin_memory: bool
+    uva: bool
+    reasons: tuple[str, ...]
+    backend: str = "cpu"
+    staging_limit: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "device": str(self.device), "accelerator": self.accelerator,
+            "can_pin": self.can_pin, "pin_memory": self.pin_memory, "uva": self.uva,
+            "reasons": list(self.reasons), "backend": self.backend,
+            "staging_limit": self.staging_limit,
+        }
+
+
+def _policy(name: str) -> str:
+    raw = os.environ.get(name, "auto")
+    value = raw.strip().lower() or "auto"
+    if value not in _POLICY_VALUES:
+        raise ValueError(f"{name}={raw!r} is not a valid setting: expected 'auto', '0' or '1'")
+    return value
+
+
+def capabilities_for(backend: Backend) -> Capabilities:
+    """Apply the environment policy to ``backend``'s probe."""
+    pin_policy = _policy("PINSTAGE_PIN_MEMORY")
+    uva_policy = _policy("PINSTAGE_UVA")
+    probe = backend.probe()
+    reasons = list(probe.reasons)
+    from ._memory import staging_limit
+
+    if not probe.accelerator:
+        if pin_policy == "1":
+            raise RuntimeError("PINSTAGE_PIN_MEMORY=1 but the target is the CPU (no "
+                               "accelerator): pinned memory is meaningless there")
+        if pin_policy == "0":
+            reasons.append("PINSTAGE_PIN_MEMORY=0 in the environment (no effect on the CPU)")
+        if uva_policy == "0":
+            reasons.append("PINSTAGE_UVA=0 in the environment is ignored on the CPU target: "
+                           "host memory is device memory there")
+        return Capabilities(backend.device, False, False, False, True, tuple(reasons),
+                            backend.name, None)
+
+    pin = probe.can_pin
+    if pin_policy == "0":
+        pin = False
+        reasons.append("PINSTAGE_PIN_MEMORY=0 in the environment: pinned staging is off; "
+                       "copies from host memory block the host")
+    elif pin_policy == "1":
+        if not probe.can_pin:
+            raise RuntimeError("PINSTAGE_PIN_MEMORY=1 but pinned memory cannot be allocated "
+                               f"for {backend.device}: " + "; ".join(probe.reasons))
+        reasons.append("PINSTAGE_PIN_MEMORY=1 in the environment")
+    elif not probe.can_pin:
+        reasons.append("pinned memory unavailable: copies from host memory block the host")
+
+    uva = probe.uva and pin
+    if uva_policy == "0":
+        uva = False
+        reasons.append("PINSTAGE_UVA=0 in the environment: UVA views are off (buffers use "
+                       "device memory and copies instead)")
+    elif uva_policy == "1":
+        if not (probe.uva and pin):
+            why = ("it needs pinned memory, which is off" if probe.uva else
+                   "the device cannot map pinned host memory here")
+            raise RuntimeError(f"PINSTAGE_UVA=1 but UVA is impossible for {backend.device}: "
+                               f"{why}")
+        reasons.append("PINSTAGE_UVA=1 in the environment")
+    elif probe.uva and not pin:
+        reasons.append("UVA off: it needs pinned memory, which is off")
+    limit = staging_limit(probe.staging_limit or staging_limit()) if pin else None
+    return Capabilities(backend.device, True, probe.can_pin, pin, uva, tuple(reasons),
+                        backend.name, limit)
+
+
+def capabilities(device: Any = None) -> Capabilities:
+    """What this process can do for ``device`` (default: the simulator inside
+    ``simulated_accelerator``, else the current accelerator, else the CPU)."""
+    return capabilities_for(get_backend(device))
+
+
+def is_pin_memory_available(device: Any = None) -> bool:
+    """Shorthand for ``capabilities(device).pin_memory``."""
+    return capabilities(device).pin_memory
+
+
+def is_uva_available(device: Any = None) -> bool:
+    """Shorthand for ``capabilities(device).uva``."""
+    return capabilities(device).uva

@@ -1,0 +1,336 @@
+"""Host-to-device copies: ``async_tensor_h2d``, ``h2d_many``, ``np_to_pinned_tensor``.
+
+Where pinned memory is in use, every source that is not already pinned, contiguous and of the
+right dtype is written (converted on the way) into a region of the device's staging arena, and
+the device copies from there: the host never waits, and the caller may change its data as soon
+as the call returns. Large sources go in chunks through the ring, so filling chunk k+1 overlaps
+the transfer of chunk k. Where pinned memory is not in use, copies are plain (blocking) copies,
+as ``capabilities().reasons`` says.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._backend import Backend, get_backend
+from ._capabilities import capabilities_for
+from ._dtypes import STRUCT_CODES, check_dtype, itemsize, numpy_to_torch, packer
+from ._errors import ValueOverflowError, describe
+from ._memory import ALIGN, Region, align_up
+
+__all__ = ["async_tensor_h2d", "h2d_many", "np_to_pinned_tensor", "synchronize", "HostSource"]
+
+# Sources above this size are staged in chunks of this size (double-buffered through the ring).
+CHUNK_BYTES = 8 * 2**20
+
+_NUMERIC_KINDS = "biufc"
+
+
+def _int_bounds(dtype: torch.dtype) -> tuple[int, int] | None:
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        return None
+    info = torch.iinfo(dtype)
+    return int(info.min), int(info.max)
+
+
+class HostSource:
+    """One input normalised: its shape, the target dtype, and how to write it into memory.
+
+    Exactly one of ``tensor`` (a CPU tensor, any dtype and strides) or ``packed`` (the bytes of
+    a flat list, packed by a cached ``struct``) is set.
+    """
+
+    __slots__ = ("shape", "dtype", "numel", "nbytes", "tensor", "packed")
+
+    def __init__(self, data: Any, dtype: torch.dtype | None, backend: Backend,
+                 what: str = "data") -> None:
+        self.tensor: torch.Tensor | None = None
+        self.packed: bytes | None = None
+        if dtype is not None:
+            check_dtype(dtype)
+        if isinstance(data, torch.Tensor):
+            if data.device.type != "cpu" or backend.is_device_tensor(data):
+                raise TypeError(f"{what} must be host data (a list, an array or a CPU tensor); "
+                                f"got a tensor on the device ({data.device}): it is already "
+                                "there, use .to()/.copy_() for device copies")
+            if data.is_sparse or data.layout != torch.strided:
+                raise TypeError(f"{what} must be a dense (strided) CPU tensor, got layout "
+                                f"{data.layout}")
+            self.tensor = data
+            self.shape = tuple(data.shape)
+            self.dtype = dtype or data.dtype
+        elif isinstance(data, np.ndarray):
+            self._from_array(data, dtype, what)
+        elif isinstance(data, (list, tuple)):
+            self._from_list(data, dtype, what)
+        else:
+            raise TypeError(f"{what} must be a list or tuple of numbers, a NumPy array or a CPU "
+                            f"tensor; got {describe(data)}")
+        self.numel = int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        self.nbytes = self.numel * itemsize(self.dtype)
+
+    def _from_array(self, arr: np.ndarray, dtype: torch.dtype | None, what: str) -> None:
+        if arr.dtype.kind not in _NUMERIC_KINDS:
+            raise TypeError(f"{what} is a NumPy array of dtype {arr.dtype} (kind "
+                            f"{arr.dtype.kind!r}); expected a numeric dtype (bool, int, uint, "
+                            "float, complex)")
+        src = numpy_to_torch(arr.dtype)
+        if src is None:
+            raise TypeError(f"{what} has NumPy dtype {arr.dtype}, which torch cannot hold")
+        if arr.dtype.byteorder == ">" or any(s < 0 for s in arr.strides):
+            arr = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("="))
+        self.tensor = torch.from_numpy(arr) if arr.size else torch.empty(arr.shape, dtype=src)
+        self.shape = tuple(arr.shape)
+        self.dtype = dtype or src
+
+    def _from_list(self, data: Sequence[Any], dtype: torch.dtype | None, what: str) -> None:
+        first = data[0] if len(data) else None
+        tf = type(first)
+        if tf is int or tf is float:
+            if dtype is None:
+                target = torch.int64 if tf is int else torch.get_default_dtype()
+            else:
+                target = dtype
+            code = STRUCT_CODES.get(target)
+            if code is not None:
+                # One cached struct packs (and validates) the whole list in C: no per-element
+                # Python loop. Non-numbers, nested lists and out-of-range values are refused
+                # there and take the general path below.
+                try:
+                    self.packed = packer(code, len(data)).pack(*data)
+                except (struct.error, OverflowError, TypeError):
+                    pass
+                else:
+                    self.shape, self.dtype = (len(data),), target
+                    return
+        self._from_nested(data, dtype, what)
+
+    def _from_nested(self, data: Sequence[Any], dtype: torch.dtype | None, what: str) -> None:
+        try:
+            arr = np.asarray(data)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{what} is not a rectangular list of numbers "
+                             f"({describe(data)}): {exc}") from None
+        if arr.dtype.kind == "O":
+            if any(isinstance(x, int) for x in arr.reshape(-1)[:1]):
+                raise ValueOverflowError(f"{what} holds an integer too large for 64 bits: "
+                                         f"{describe(data)}")
+            raise TypeError(f"{what} must hold numbers only; got {describe(data)}")
+        if arr.dtype.kind not in _NUMERIC_KINDS:
+            raise TypeError(f"{what} must hold numbers only; got {describe(data)} "
+                            f"(NumPy reads it as {arr.dtype})")
+        if arr.dtype.kind == "u" and dtype is None:
+            raise ValueOverflowError(f"{what} holds an integer too large for int64: "
+                                     f"{describe(data)}")
+        if dtype is None:
+            kind = arr.dtype.kind
+            dtype = (torch.int64 if kind in "iu" else torch.bool if kind == "b" else
+                     torch.get_default_dtype() if kind == "f" else
+                     torch.complex64 if torch.get_default_dtype() == torch.float32 else
+                     torch.complex128)
+        bounds = _int_bounds(dtype)
+        if bounds is not None and arr.dtype.kind in "iu" and arr.size:
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < bounds[0] or hi > bounds[1]:
+                raise ValueOverflowError(f"{what} holds {lo if lo < bounds[0] else hi}, which "
+                                         f"does not fit {dtype} ({bounds[0]}..{bounds[1]})")
+        self._from_array(arr, dtype, what)
+
+    # -- use ---------------------------------------------------------------------------------
+    def reads_in_place(self, backend: Backend) -> bool:
+        """True when the device may read the caller's tensor directly (pinned, contiguous,
+        right dtype): no staging copy."""
+        t = self.tensor
+        return (t is not None and t.dtype == self.dtype and t.is_contiguous()
+                and backend.is_pinned(t))
+
+    def write_into(self, mem: torch.Tensor, mem_np: np.ndarray, offset: int) -> None:
+        """Write the values, converted to ``dtype``, at byte ``offset`` of ``mem`` (uint8)."""
+        if self.numel == 0:
+            return
+        if self.packed is not None:
+            mem_np[offset : offset + self.nbytes] = np.frombuffer(self.packed, np.uint8)
+        elif self.tensor is not None:
+            dst = mem[offset : offset + self.nbytes].view(self.dtype).view(self.shape)
+            dst.copy_(self.tensor)
+
+    def host_tensor(self) -> torch.Tensor:
+        """The values as a new contiguous CPU tensor of ``dtype`` (for unpinned paths)."""
+        out = torch.empty(self.shape, dtype=self.dtype)
+        if self.numel:
+            self.write_into(out.view(-1).view(torch.uint8), out.view(-1).view(torch.uint8).numpy(),
+                            0)
+        return out
+
+
+def _check_out(out: Any, backend: Backend, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a device tensor, got {describe(out)}")
+    if backend.accelerator and not backend.is_device_tensor(out) and backend.name != "simulated":
+        raise ValueError(f"out must be a tensor on {backend.device}, got one on {out.device}")
+    if out.dtype != dtype:
+        raise ValueError(f"out has dtype {out.dtype} but the result's dtype is {dtype}")
+    if tuple(out.shape) != shape:
+        raise ValueError(f"out has shape {tuple(out.shape)} but the data has shape {shape}")
+
+
+def _stage_and_copy(backend: Backend, src: HostSource, dst: torch.Tensor, label: str) -> None:
+    """host -> pinned staging -> device, chunked through the ring for large sources."""
+    arena = backend.arena()
+    chunk = min(CHUNK_BYTES, max(ALIGN, arena.limit // 4))
+    if src.nbytes <= chunk or src.packed is not None:
+        if src.nbytes > arena.limit:
+            src_t = src.host_tensor()
+            src = HostSource(src_t, None, backend)
+        else:
+            region = arena.alloc(src.nbytes)
+            try:
+                src.write_into(region.block.tensor, region.block.np, region.start)
+                typed = region.view[: src.nbytes].view(src.dtype).view(src.shape)
+                backend.copy_h2d(dst, typed, label)  # host -> device, from pinned staging
+            finally:
+                arena.release(region)
+            return
+    # Large: split along the first dimension (or the flat view) into chunks of <= chunk bytes.
+    t = src.tensor if src.tensor is not None else src.host_tensor()
+    if t.dim() == 0:
+        t = t.reshape(1)
+    row_bytes = (t[0].numel() if t.shape[0] else 1) * itemsize(src.dtype)
+    if row_bytes > chunk:
+        t = t.contiguous().reshape(-1)
+        dflat = dst.view(-1)
+        row_bytes = itemsize(src.dtype)
+    else:
+        dflat = dst if dst.dim() else dst.view(1)
+    rows = max(1, chunk // row_bytes)
+    for i in range(0, t.shape[0], rows):
+        piece = t[i : i + rows]
+        nb = piece.numel() * itemsize(src.dtype)
+        region = arena.alloc(nb)
+        try:
+            typed = region.view[:nb].view(src.dtype).view(piece.shape)
+            typed.copy_(piece)  # host memcpy (+ dtype conversion), parallel in torch for large
+            backend.copy_h2d(dflat[i : i + rows], typed, label)  # host -> device
+        finally:
+            arena.release(region)
+
+
+def _upload(backend: Backend, src: HostSource, out: torch.Tensor | None,
+            label: str) -> torch.Tensor:
+    if not backend.accelerator:  # CPU target: a finished host copy
+        if out is None:
+            return src.host_tensor()
+        if src.tensor is not None:
+            out.copy_(src.tensor)
+        else:
+            out.copy_(src.host_tensor())
+        return out
+    dst = out if out is not None else backend.empty(src.shape, src.dtype)
+    if src.numel == 0:
+        return dst
+    caps = capabilities_for(backend)
+    if src.tensor is not None and src.reads_in_place(backend):
+        backend.copy_h2d(dst, src.tensor, label)  # host -> device, read in place (pinned)
+    elif caps.pin_memory:
+        _stage_and_copy(backend, src, dst, label)
+    else:
+        t = src.tensor
+        host = t if (t is not None and t.dtype == src.dtype and t.is_contiguous()) else \
+            src.host_tensor()
+        backend.copy_h2d(dst, host, label)  # host -> device, blocking: pinning is off
+    return dst
+
+
+def async_tensor_h2d(data: Any, device: Any = None, dtype: torch.dtype | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Upload ``data`` (list, NumPy array or CPU tensor) to ``device`` without making the host
+    wait where pinned memory is in use; returns the device tensor (``out`` when given)."""
+    if device is None:
+        if out is None:
+            raise ValueError("async_tensor_h2d needs a device (or an out tensor to take it "
+                             "from); got neither")
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a device tensor, got {describe(out)}")
+        device = out.device
+    if dtype is None and isinstance(out, torch.Tensor):
+        dtype = out.dtype
+    backend = get_backend(device)
+    src = HostSource(data, dtype, backend)
+    if out is not None:
+        _check_out(out, backend, src.shape, src.dtype)
+    return _upload(backend, src, out, "async_tensor_h2d")
+
+
+def h2d_many(arrays: Sequence[Any], device: Any = None,
+             dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+    """Upload several lists/arrays/CPU tensors in one host-to-device transfer; returns one
+    device tensor per input (views of one device allocation)."""
+    if isinstance(arrays, (str, bytes, np.ndarray, torch.Tensor)) or \
+            not isinstance(arrays, (list, tuple)):
+        raise TypeError(f"arrays must be a list or tuple of inputs, got {describe(arrays)}")
+    backend = get_backend(device)
+    srcs = [HostSource(a, dtype, backend, what=f"arrays[{i}]") for i, a in enumerate(arrays)]
+    if not srcs:
+        return ()
+    if not backend.accelerator:
+        return tuple(s.host_tensor() for s in srcs)
+    offsets = []
+    total = 0
+    for s in srcs:
+        offsets.append(total)
+        total += align_up(s.nbytes)
+    dev = backend.empty((total,), torch.uint8)
+    outs = tuple(dev[o : o + s.nbytes].view(s.dtype).view(s.shape) for o, s in zip(offsets, srcs))
+    if total == 0:
+        return outs
+    caps = capabilities_for(backend)
+    if caps.pin_memory and total <= min(CHUNK_BYTES, backend.arena().limit):
+        arena = backend.arena()
+        region: Region = arena.alloc(total)
+        try:
+            for o, s in zip(offsets, srcs):
+                s.write_into(region.block.tensor, region.block.np, region.start + o)
+            backend.copy_h2d(dev, region.view[:total], "h2d_many")  # host -> device, once
+        finally:
+            arena.release(region)
+    elif caps.pin_memory:  # too large for one staging region: one staged copy per input
+        for s, o in zip(srcs, outs):
+            _upload(backend, s, o, "h2d_many")
+    else:
+        host = torch.empty(total, dtype=torch.uint8)
+        host_np = host.numpy()
+        for o, s in zip(offsets, srcs):
+            s.write_into(host, host_np, o)
+        backend.copy_h2d(dev, host, "h2d_many")  # host -> device, blocking: pinning is off
+    return outs
+
+
+def np_to_pinned_tensor(array: np.ndarray) -> torch.Tensor:
+    """A CPU tensor equal to ``array``: a pinned copy where pinned memory is in use, otherwise
+    possibly sharing memory with ``array``."""
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"array must be a NumPy array, got {describe(array)}")
+    backend = get_backend(None)
+    src = HostSource(array, None, backend, what="array")
+    if not capabilities_for(backend).pin_memory:
+        return src.host_tensor() if src.tensor is None else src.tensor
+    mem = backend.alloc_pinned(src.nbytes)
+    out = mem[: src.nbytes].view(src.dtype).view(src.shape) if src.nbytes else \
+        torch.empty(src.shape, dtype=src.dtype)
+    if src.nbytes:
+        src.write_into(mem, mem.numpy(), 0)
+    return out
+
+
+def synchronize(device: Any = None) -> None:
+    """Wait until all device work pinstage issued for ``device`` has completed."""
+    backend = get_backend(device)
+    backend.synchronize()
+    if backend._arena is not None:
+        backend._arena.drain()
+

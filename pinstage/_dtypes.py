@@ -1,0 +1,62 @@
+"""dtype tables shared by the copy and staged-write paths (struct codes, NumPy equivalents)."""
+
+from __future__ import annotations
+
+import struct
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["STRUCT_CODES", "torch_to_numpy", "numpy_to_torch", "packer", "check_dtype",
+           "itemsize"]
+
+# torch dtype -> struct format code (little-endian, standard sizes): lists are packed straight
+# into staging memory with one cached ``Struct.pack_into`` call, no per-element Python loop.
+STRUCT_CODES: dict[torch.dtype, str] = {
+    torch.int8: "b", torch.uint8: "B", torch.int16: "h", torch.int32: "i", torch.int64: "q",
+    torch.float16: "e", torch.float32: "f", torch.float64: "d", torch.bool: "?",
+}
+for _name, _code in (("uint16", "H"), ("uint32", "I"), ("uint64", "Q")):
+    if hasattr(torch, _name):
+        STRUCT_CODES[getattr(torch, _name)] = _code
+
+_T2N: dict[torch.dtype, Any] = {
+    torch.bool: np.bool_, torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16,
+    torch.int32: np.int32, torch.int64: np.int64, torch.float16: np.float16,
+    torch.float32: np.float32, torch.float64: np.float64, torch.complex64: np.complex64,
+    torch.complex128: np.complex128,
+}
+for _name in ("uint16", "uint32", "uint64"):
+    if hasattr(torch, _name):
+        _T2N[getattr(torch, _name)] = getattr(np, _name)
+_N2T: dict[Any, torch.dtype] = {np.dtype(v): k for k, v in _T2N.items()}
+
+
+def torch_to_numpy(dtype: torch.dtype) -> np.dtype | None:
+    """The NumPy dtype with the same bits, or ``None`` (bfloat16 and friends)."""
+    n = _T2N.get(dtype)
+    return None if n is None else np.dtype(n)
+
+
+def numpy_to_torch(dtype: np.dtype) -> torch.dtype | None:
+    return _N2T.get(np.dtype(dtype).newbyteorder("=") if dtype.byteorder not in "=|" else
+                    np.dtype(dtype))
+
+
+@lru_cache(maxsize=512)
+def packer(code: str, n: int) -> struct.Struct:
+    """A cached ``Struct`` packing ``n`` values of format ``code``."""
+    return struct.Struct(f"<{n}{code}")
+
+
+def check_dtype(dtype: Any, what: str = "dtype") -> torch.dtype:
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{what} must be a torch.dtype (e.g. torch.int32), got {dtype!r}")
+    return dtype
+
+
+@lru_cache(maxsize=64)
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
