@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ._audit import pinstage_fallback
 from ._memory import HostRegion, StagingArena, staging_limit
 
 __all__ = ["Backend", "Probe", "CpuBackend", "GenericBackend", "get_backend", "resolve_device"]
@@ -177,10 +178,12 @@ class GenericBackend(Backend):
             "CUDA/ROCm; copies here are plain torch copies",))
 
     def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, label: str = "") -> None:
-        dst.copy_(src)
+        with pinstage_fallback():
+            dst.copy_(src)  # host -> device, blocking: no pinned staging on this device type
 
     def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, label: str = "") -> None:
-        dst.copy_(src)
+        with pinstage_fallback():
+            dst.copy_(src)  # device -> host, blocking
 
     def copy_d2d(self, dst: torch.Tensor, src: torch.Tensor, label: str = "") -> None:
         dst.copy_(src)

@@ -82,9 +82,15 @@ class HostSource:
         src = numpy_to_torch(arr.dtype)
         if src is None:
             raise TypeError(f"{what} has NumPy dtype {arr.dtype}, which torch cannot hold")
-        if arr.dtype.byteorder == ">" or any(s < 0 for s in arr.strides):
-            arr = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("="))
-        self.tensor = torch.from_numpy(arr) if arr.size else torch.empty(arr.shape, dtype=src)
+        if not arr.size:
+            self.tensor = torch.empty(arr.shape, dtype=src)
+        else:
+            if arr.dtype.byteorder == ">" or any(s < 0 for s in arr.strides):
+                arr = np.array(arr, dtype=arr.dtype.newbyteorder("="), order="C", copy=True)
+            try:
+                self.tensor = torch.from_numpy(arr)
+            except ValueError:  # strides torch can't express: one host copy
+                self.tensor = torch.from_numpy(np.array(arr, order="C", copy=True))
         self.shape = tuple(arr.shape)
         self.dtype = dtype or src
 

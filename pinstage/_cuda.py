@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ._audit import pinstage_fallback
 from ._backend import Backend, Probe, host_region_tensor
 from ._platform import WSL_STAGING_LIMIT, wsl_info
 
@@ -218,13 +219,15 @@ class CudaBackend(Backend):
         if src.is_contiguous() and src.is_pinned():
             dst.copy_(src, non_blocking=True)  # host -> device, async from pinned memory
         else:
-            dst.copy_(src)  # host -> device, blocking: pageable source (pinning is off)
+            with pinstage_fallback():
+                dst.copy_(src)  # host -> device, blocking: pageable source (pinning is off)
 
     def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, label: str = "") -> None:
         if dst.is_pinned() and dst.is_contiguous():
             dst.copy_(src, non_blocking=True)  # device -> host, async into pinned memory
         else:
-            dst.copy_(src)  # device -> host, blocking
+            with pinstage_fallback():
+                dst.copy_(src)  # device -> host, blocking: pageable destination
 
     def record_event(self) -> Any:
         event = torch.cuda.Event()

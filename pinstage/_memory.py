@@ -17,6 +17,7 @@ import mmap
 import os
 import re
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -83,8 +84,16 @@ class _Stats:
 STATS = _Stats()
 
 
+_ARENAS: weakref.WeakSet[StagingArena] = weakref.WeakSet()
+
+
 def host_memory_stats() -> dict[str, int]:
-    """The pinned host memory pinstage holds now (bytes), its peak, and staging waits so far."""
+    """The pinned host memory pinstage holds now (bytes), its peak, and staging waits so far.
+
+    Staging regions whose device readers have completed are returned first (no waiting), so
+    ``in_use_bytes`` counts only what the device may still read or callers still hold."""
+    for arena in list(_ARENAS):
+        arena.drain()
     return STATS.snapshot()
 
 
@@ -256,6 +265,7 @@ class StagingArena:
         self.initial = min(int(initial), self.limit)
         self._blocks: list[_Block] = []  # retired blocks first, the current one last
         self._lock = threading.Lock()
+        _ARENAS.add(self)
 
     @property
     def reserved(self) -> int:

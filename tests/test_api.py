@@ -1,0 +1,47 @@
+"""The public surface: exported names, import without device work."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pinstage
+
+CONTRACT_NAMES = {
+    "capabilities", "Capabilities", "is_pin_memory_available", "is_uva_available",
+    "PIN_MEMORY", "async_tensor_h2d", "np_to_pinned_tensor", "CpuGpuBuffer", "UvaBuffer",
+    "NonUvaBuffer", "UvaBufferPool", "UvaBackedTensor", "StagedWriteTensor",
+    "set_default_max_concurrency", "h2d_many", "host_memory_stats", "audit",
+    "HiddenSyncError", "synchronize",
+}
+
+
+def test_all_is_exactly_the_public_names():
+    extra = {"Finding", "SyncReport", "PinstageError", "ValueOverflowError"}
+    assert set(pinstage.__all__) == CONTRACT_NAMES | extra
+    for name in pinstage.__all__:
+        assert hasattr(pinstage, name), name
+
+
+def test_testing_module():
+    from pinstage import testing
+
+    assert callable(testing.simulated_accelerator)
+    assert issubclass(testing.HazardError, RuntimeError)
+
+
+def test_import_touches_no_device():
+    code = (
+        "import sys, torch, pinstage, pinstage.testing\n"
+        "assert not torch.cuda.is_initialized()\n"
+        "assert 'pinstage._cuda' not in sys.modules\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_py_typed_ships():
+    import importlib.resources
+
+    assert importlib.resources.files("pinstage").joinpath("py.typed").is_file()

@@ -1,0 +1,201 @@
+"""CpuGpuBuffer, UvaBuffer, NonUvaBuffer, UvaBufferPool, UvaBackedTensor."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import pinstage
+from helpers import reference_equal
+from pinstage.testing import HazardError, simulated_accelerator
+
+
+def test_cpugpubuffer_round_trip(target):
+    buf = pinstage.CpuGpuBuffer(5, 3, dtype=torch.int32, device=target.device)
+    assert buf.cpu.shape == buf.gpu.shape == (5, 3)
+    assert np.shares_memory(buf.np, buf.cpu.numpy())
+    target.sync()
+    assert int(buf.gpu.abs().sum()) == 0 and int(buf.cpu.abs().sum()) == 0  # zero-filled
+    buf.np[:] = np.arange(15).reshape(5, 3)
+    g = buf.copy_to_gpu(3)
+    target.sync()
+    assert g.shape == (3, 3)
+    reference_equal(buf.gpu[:3], np.arange(9).reshape(3, 3))
+    reference_equal(buf.gpu[3:], np.zeros((2, 3), np.int32))
+    buf.gpu.mul_(2)
+    target.sync()
+    c = buf.copy_to_cpu()
+    target.sync()
+    reference_equal(c[:3], 2 * np.arange(9).reshape(3, 3))
+
+
+def test_cpugpubuffer_pinning_follows_capabilities(target):
+    buf = pinstage.CpuGpuBuffer(4, dtype=torch.float32, device=target.device)
+    expected = pinstage.capabilities(target.device).pin_memory
+    pinned = target.sim.backend.is_pinned(buf.cpu) if target.sim else False
+    assert pinned == expected
+    unpinned = pinstage.CpuGpuBuffer(4, dtype=torch.float32, device=target.device,
+                                     pin_memory=False)
+    assert not (target.sim and target.sim.backend.is_pinned(unpinned.cpu))
+
+
+def test_cpugpubuffer_errors(target):
+    with pytest.raises(ValueError, match="with_numpy=False"):
+        pinstage.CpuGpuBuffer(4, dtype=torch.bfloat16, device=target.device)
+    b = pinstage.CpuGpuBuffer(4, dtype=torch.bfloat16, device=target.device, with_numpy=False)
+    assert b.np is None
+    with pytest.raises(ValueError):
+        pinstage.CpuGpuBuffer(-1, dtype=torch.int32, device=target.device)
+    with pytest.raises(TypeError):
+        pinstage.CpuGpuBuffer("4", dtype=torch.int32, device=target.device)
+    buf = pinstage.CpuGpuBuffer(4, dtype=torch.int32, device=target.device)
+    for n in (-1, 5):
+        with pytest.raises(ValueError, match="outside"):
+            buf.copy_to_gpu(n)
+        with pytest.raises(ValueError):
+            buf.copy_to_cpu(n)
+    if not target.accelerator:
+        with pytest.raises(RuntimeError):
+            pinstage.CpuGpuBuffer(4, dtype=torch.int32, device=target.device, pin_memory=True)
+
+
+def test_cpugpubuffer_changing_cpu_before_copy_runs_is_a_hazard():
+    with simulated_accelerator("lazy") as sim:
+        buf = pinstage.CpuGpuBuffer(4, dtype=torch.int64, device=sim.device)
+        buf.np[:] = 1
+        buf.copy_to_gpu()
+        buf.np[0] = 5  # the copy has not run yet
+        with pytest.raises(HazardError, match="CpuGpuBuffer.copy_to_gpu"):
+            sim.synchronize()
+
+
+def test_uva_buffer_aliases_host(target):
+    if not pinstage.capabilities(target.device).uva:
+        with pytest.raises(RuntimeError, match="UVA"):
+            pinstage.UvaBuffer(4, torch.int32, target.device)
+        return
+    buf = pinstage.UvaBuffer((4, 2), torch.int32, target.device)
+    view = buf.uva()
+    buf.np[:] = 7  # no copy call
+    target.sync()
+    reference_equal(view, np.full((4, 2), 7))
+    assert buf.uva(2).shape == (2, 2)
+    with pytest.raises(ValueError):
+        buf.uva(5)
+
+
+def test_non_uva_buffer_snapshot(target):
+    buf = pinstage.NonUvaBuffer(4, torch.float32, target.device)
+    buf.np[:] = [1, 2, 3, 4]
+    d = buf.uva(3)
+    target.sync()
+    reference_equal(d, torch.tensor([1.0, 2, 3]))
+    buf.np[:] = 0  # after the copy completed: device memory unchanged
+    target.sync()
+    reference_equal(d, torch.tensor([1.0, 2, 3]))
+
+
+def test_pool_copy_to_uva_and_gpu(target):
+    pool = pinstage.UvaBufferPool((4, 2), torch.int64, max_concurrency=3,
+                                  device=target.device)
+    outs = []
+    for i in range(7):
+        x = np.full((i % 3 + 1, 2), i)
+        outs.append((pool.copy_to_gpu(x), x))
+    u = pool.copy_to_uva([[1, 2], [3, 4]])
+    target.sync()
+    for o, x in outs:
+        reference_equal(o, x)  # device-resident copies stay valid
+    reference_equal(u, [[1, 2], [3, 4]])
+
+
+def test_pool_grows_to_power_of_two(target):
+    pool = pinstage.UvaBufferPool(2, torch.int32, device=target.device)
+    v = pool.copy_to_uva(list(range(5)))
+    target.sync()
+    reference_equal(v, np.arange(5))
+    assert pool._slots[pool._curr].cpu.shape[0] == 8
+
+
+def test_pool_errors_leave_pool_unchanged(target):
+    pool = pinstage.UvaBufferPool((4, 3), torch.float32, device=target.device)
+    curr = pool._curr
+    with pytest.raises(ValueError, match="trailing"):
+        pool.copy_to_uva(np.zeros((2, 2)))
+    with pytest.raises(TypeError):
+        pool.copy_to_uva("abc")
+    with pytest.raises(ValueError):
+        pool.copy_to_gpu(np.zeros((2, 3)), out=torch.zeros(3, 3))
+    assert pool._curr == curr
+    with pytest.raises(ValueError):
+        pinstage.UvaBufferPool(4, torch.int32, max_concurrency=0)
+    with pytest.raises(TypeError):
+        pinstage.UvaBufferPool(4, torch.int32, max_concurrency=1.5)
+
+
+def test_pool_out_is_written(target):
+    pool = pinstage.UvaBufferPool(4, torch.int32, device=target.device)
+    out = pinstage.async_tensor_h2d([0, 0, 0], target.device, dtype=torch.int32)
+    res = pool.copy_to_gpu([7, 8, 9], out=out)
+    target.sync()
+    assert res is out
+    reference_equal(out, torch.tensor([7, 8, 9], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("mode", ["lazy", "random"])
+@pytest.mark.parametrize("uva", [True, False])
+def test_pool_reuse_is_fenced(mode, uva):
+    """Readers of each hand-out are enqueued before the next one; the pool must never rewrite a
+    slot they still read. In lazy mode nothing runs until the pool waits, so an unfenced pool
+    would raise HazardError here."""
+    for seed in range(20):
+        with simulated_accelerator(mode, seed=seed, uva=uva) as sim:
+            pool = pinstage.UvaBufferPool(4, torch.int64, max_concurrency=2, device=sim.device)
+            seen = []
+            for step in range(10):
+                v = pool.copy_to_uva([step, step + 1, step + 2])
+                dst = torch.empty(3, dtype=torch.int64)
+                sim.launch(lambda s, d: d.copy_(s), v, dst)  # a kernel reading the hand-out
+                seen.append(dst)
+            sim.synchronize()
+            for step, d in enumerate(seen):
+                assert d.tolist() == [step, step + 1, step + 2]
+            if mode == "lazy":
+                assert sim.stats.host_stalls == 8  # hand-outs 3..10 reuse a slot: each waited
+
+
+def test_unfenced_reuse_would_be_caught():
+    """The simulator catches what vLLM's convention-only pool allows: a host rewrite of memory
+    a queued kernel still reads."""
+    with simulated_accelerator("lazy") as sim:
+        buf = pinstage.UvaBuffer(4, torch.int64, sim.device)
+        buf.np[:] = 1
+        sim.launch(lambda v: v.sum(), buf.uva())
+        buf.np[:] = 2  # rewrite without waiting
+        with pytest.raises(HazardError, match="kernel"):
+            sim.synchronize()
+
+
+def test_set_default_max_concurrency(target):
+    pinstage.set_default_max_concurrency(5)
+    assert pinstage.UvaBufferPool(2, torch.int32, device=target.device).max_concurrency == 5
+    with pytest.raises(ValueError):
+        pinstage.set_default_max_concurrency(0)
+    with pytest.raises(TypeError):
+        pinstage.set_default_max_concurrency("3")
+    assert pinstage.UvaBufferPool(2, torch.int32, device=target.device).max_concurrency == 5
+
+
+def test_uva_backed_tensor(target):
+    t = pinstage.UvaBackedTensor((6, 2), torch.int32, device=target.device)
+    target.sync()
+    reference_equal(t.gpu, np.zeros((6, 2), np.int32))
+    t.np[:4] = np.arange(8).reshape(4, 2)
+    g = t.copy_to_uva(4)
+    assert g is t.gpu
+    t.np[:] = -1  # .cpu is ordinary memory, the upload was staged
+    target.sync()
+    reference_equal(t.gpu, np.arange(8).reshape(4, 2))
+    with pytest.raises(ValueError):
+        t.copy_to_uva(7)

@@ -1,0 +1,149 @@
+"""Checks on a real CUDA/ROCm device (skipped without one; run by scripts/gpu-check)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import pinstage
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def dev():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _busy(ms: float = 50.0) -> None:
+    """Queue about ``ms`` of GPU work on the current stream."""
+    cycles = int(ms * 1e-3 * torch.cuda.get_device_properties(0).clock_rate * 1e3)
+    torch.cuda._sleep(cycles)
+
+
+def test_capabilities_on_gpu(dev):
+    caps = pinstage.capabilities(dev)
+    assert caps.accelerator and caps.device == dev
+    assert caps.pin_memory, caps.reasons
+    assert caps.uva, caps.reasons
+
+
+def test_host_returns_while_gpu_busy(dev):
+    data = list(range(256))
+    arr = np.arange(4096, dtype=np.float32)
+    pinstage.async_tensor_h2d(data, dev)  # warm up the arena
+    torch.cuda.synchronize()
+    _busy(100)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        a = pinstage.async_tensor_h2d(data, dev, dtype=torch.int32)
+        b = pinstage.async_tensor_h2d(arr, dev)
+        c = pinstage.h2d_many([data, arr], dev)
+    elapsed = time.perf_counter() - t0
+    busy_now = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert busy_now and elapsed < 0.05, f"host waited: {elapsed * 1e3:.1f} ms"
+    assert a.cpu().tolist() == data and torch.equal(b.cpu(), torch.from_numpy(arr))
+    assert torch.equal(c[1].cpu(), torch.from_numpy(arr))
+
+
+def test_staged_write_does_not_block(dev):
+    swt = pinstage.StagedWriteTensor((256, 64), torch.int32, dev)
+    ref = torch.zeros(256, 64, dtype=torch.int32)
+    swt.apply_write()
+    torch.cuda.synchronize()
+    _busy(100)
+    t0 = time.perf_counter()
+    for step in range(4):
+        for r in range(256):
+            swt.stage_write(r, step * 16, list(range(r, r + 16)))
+            ref[r, step * 16 : step * 16 + 16] = torch.arange(r, r + 16)
+        swt.apply_write()
+    elapsed = time.perf_counter() - t0
+    busy_now = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert busy_now and elapsed < 0.09
+    assert torch.equal(swt.gpu.cpu(), ref)
+
+
+def test_uva_aliasing_and_coherence(dev):
+    buf = pinstage.UvaBuffer(1024, torch.int32, dev)
+    view = buf.uva()
+    assert view.device == dev
+    buf.np[:] = np.arange(1024)
+    assert torch.equal(view.sum().cpu(), torch.tensor(int(np.arange(1024).sum())))
+    view[:4].fill_(-1)
+    torch.cuda.synchronize()
+    assert buf.np[:4].tolist() == [-1] * 4
+
+
+def test_pool_reuse_is_fenced_on_a_real_stream(dev):
+    pool = pinstage.UvaBufferPool(1 << 16, torch.int64, max_concurrency=2, device=dev)
+    outs = []
+    for step in range(6):
+        _busy(20)  # keep the device behind the host
+        v = pool.copy_to_uva(np.full(1 << 16, step, np.int64))
+        outs.append(v.clone())  # the device reads the hand-out later
+    torch.cuda.synchronize()
+    for step, o in enumerate(outs):
+        assert bool((o == step).all()), step
+
+
+def test_pinned_memory_is_exact_size(dev):
+    import gc
+
+    gc.collect()
+    before = pinstage.host_memory_stats()["reserved_bytes"]
+    buf = pinstage.CpuGpuBuffer(3 * 2**20 + 5, dtype=torch.uint8, device=dev)
+    grown = pinstage.host_memory_stats()["reserved_bytes"] - before
+    assert buf.cpu.is_pinned()
+    assert grown <= 1.05 * (3 * 2**20 + 5)
+
+
+def test_same_results_as_cpu_target(dev):
+    rng = np.random.default_rng(0)
+    arr = rng.standard_normal((33, 7)).astype(np.float32)[:, ::2]
+    gpu = pinstage.async_tensor_h2d(arr, dev, dtype=torch.float16)
+    cpu = pinstage.async_tensor_h2d(arr, "cpu", dtype=torch.float16)
+    swt_g = pinstage.StagedWriteTensor((8, 8), torch.bfloat16, dev)
+    swt_c = pinstage.StagedWriteTensor((8, 8), torch.bfloat16, "cpu")
+    for s in (swt_g, swt_c):
+        s.stage_write(3, 2, [1.5, -2.25, 3.0])
+        s.stage_write(3, 3, [7.0])
+        s.apply_write()
+    torch.cuda.synchronize()
+    assert torch.equal(gpu.cpu(), cpu)
+    assert torch.equal(swt_g.gpu.cpu(), swt_c.gpu)
+
+
+def test_large_pageable_copy_is_exact(dev):
+    src = torch.randn(64 * 2**20 // 4)
+    out = pinstage.async_tensor_h2d(src, dev)
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), src)
+
+
+def test_audit_on_cuda(dev):
+    x = torch.arange(1024)
+    d = torch.empty(1024, device=dev)
+    with pinstage.audit() as report:
+        d.copy_(x, non_blocking=True)  # pageable
+        d.copy_(pinstage.np_to_pinned_tensor(x.numpy()).float(), non_blocking=True)
+        pinned = pinstage.np_to_pinned_tensor(np.arange(1024, dtype=np.float32))
+        d.copy_(pinned, non_blocking=True)  # fine
+        d.sum().item()
+    counts = report.counts()
+    assert counts.get("pageable-nonblocking", 0) >= 1
+    assert counts.get("item") == 1
+    with pinstage.audit(strict=True):
+        pinstage.async_tensor_h2d(list(range(100)), dev)
+        pinstage.h2d_many([[1, 2], np.arange(3)], dev)
+        swt = pinstage.StagedWriteTensor((4, 4), torch.int32, dev)
+        swt.stage_write(1, 0, [1, 2])
+        swt.apply_write()
+        pinstage.UvaBufferPool(8, torch.int32, device=dev).copy_to_gpu([1, 2, 3])
