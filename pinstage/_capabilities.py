@@ -7,6 +7,7 @@ Probes are the backend's (cached per device, run on first ask, never at import);
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,8 +50,24 @@ def _policy(name: str) -> str:
     return value
 
 
+_CACHE: weakref.WeakKeyDictionary[Backend, tuple[tuple[Any, ...], Capabilities]] = \
+    weakref.WeakKeyDictionary()
+
+
 def capabilities_for(backend: Backend) -> Capabilities:
-    """Apply the environment policy to ``backend``'s probe."""
+    """Apply the environment policy to ``backend``'s probe (memoised per environment)."""
+    env = os.environ
+    key = (env.get("PINSTAGE_PIN_MEMORY"), env.get("PINSTAGE_UVA"),
+           env.get("PINSTAGE_STAGING_LIMIT"), backend.probe_key())
+    hit = _CACHE.get(backend)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    caps = _decide(backend)
+    _CACHE[backend] = (key, caps)
+    return caps
+
+
+def _decide(backend: Backend) -> Capabilities:
     pin_policy = _policy("PINSTAGE_PIN_MEMORY")
     uva_policy = _policy("PINSTAGE_UVA")
     probe = backend.probe()

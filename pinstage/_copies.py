@@ -10,6 +10,7 @@ as ``capabilities().reasons`` says.
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -19,7 +20,7 @@ import torch
 
 from ._backend import Backend, get_backend
 from ._capabilities import capabilities_for
-from ._dtypes import STRUCT_CODES, check_dtype, itemsize, numpy_to_torch, packer
+from ._dtypes import STRUCT_CODES, check_dtype, itemsize, numpy_to_torch, packer, torch_to_numpy
 from ._errors import ValueOverflowError, describe
 from ._memory import ALIGN, Region, align_up
 
@@ -41,37 +42,38 @@ def _int_bounds(dtype: torch.dtype) -> tuple[int, int] | None:
 class HostSource:
     """One input normalised: its shape, the target dtype, and how to write it into memory.
 
-    Exactly one of ``tensor`` (a CPU tensor, any dtype and strides) or ``packed`` (the bytes of
-    a flat list, packed by a cached ``struct``) is set.
+    Exactly one of ``packed`` (the bytes of a flat list, packed by a cached ``struct``),
+    ``array`` (a NumPy array, any strides) or ``tensor`` (a CPU tensor, any strides) is set.
     """
 
-    __slots__ = ("shape", "dtype", "numel", "nbytes", "tensor", "packed")
+    __slots__ = ("shape", "dtype", "numel", "nbytes", "tensor", "array", "packed")
 
     def __init__(self, data: Any, dtype: torch.dtype | None, backend: Backend,
                  what: str = "data") -> None:
         self.tensor: torch.Tensor | None = None
+        self.array: np.ndarray | None = None
         self.packed: bytes | None = None
-        if dtype is not None:
+        if dtype is not None and not isinstance(dtype, torch.dtype):
             check_dtype(dtype)
-        if isinstance(data, torch.Tensor):
+        if isinstance(data, list) or isinstance(data, tuple):
+            self._from_list(data, dtype, what)
+        elif isinstance(data, np.ndarray):
+            self._from_array(data, dtype, what)
+        elif isinstance(data, torch.Tensor):
             if data.device.type != "cpu" or backend.is_device_tensor(data):
                 raise TypeError(f"{what} must be host data (a list, an array or a CPU tensor); "
                                 f"got a tensor on the device ({data.device}): it is already "
                                 "there, use .to()/.copy_() for device copies")
-            if data.is_sparse or data.layout != torch.strided:
+            if data.layout != torch.strided:
                 raise TypeError(f"{what} must be a dense (strided) CPU tensor, got layout "
                                 f"{data.layout}")
             self.tensor = data
             self.shape = tuple(data.shape)
             self.dtype = dtype or data.dtype
-        elif isinstance(data, np.ndarray):
-            self._from_array(data, dtype, what)
-        elif isinstance(data, (list, tuple)):
-            self._from_list(data, dtype, what)
         else:
             raise TypeError(f"{what} must be a list or tuple of numbers, a NumPy array or a CPU "
                             f"tensor; got {describe(data)}")
-        self.numel = int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        self.numel = math.prod(self.shape)
         self.nbytes = self.numel * itemsize(self.dtype)
 
     def _from_array(self, arr: np.ndarray, dtype: torch.dtype | None, what: str) -> None:
@@ -82,31 +84,19 @@ class HostSource:
         src = numpy_to_torch(arr.dtype)
         if src is None:
             raise TypeError(f"{what} has NumPy dtype {arr.dtype}, which torch cannot hold")
-        if not arr.size:
-            self.tensor = torch.empty(arr.shape, dtype=src)
-        else:
-            if arr.dtype.byteorder == ">" or any(s < 0 for s in arr.strides):
-                arr = np.array(arr, dtype=arr.dtype.newbyteorder("="), order="C", copy=True)
-            try:
-                self.tensor = torch.from_numpy(arr)
-            except ValueError:  # strides torch can't express: one host copy
-                self.tensor = torch.from_numpy(np.array(arr, order="C", copy=True))
-        self.shape = tuple(arr.shape)
+        self.array = arr
+        self.shape = arr.shape
         self.dtype = dtype or src
 
     def _from_list(self, data: Sequence[Any], dtype: torch.dtype | None, what: str) -> None:
-        first = data[0] if len(data) else None
-        tf = type(first)
+        tf = type(data[0]) if data else None
         if tf is int or tf is float:
-            if dtype is None:
-                target = torch.int64 if tf is int else torch.get_default_dtype()
-            else:
-                target = dtype
+            target = dtype or (torch.int64 if tf is int else torch.get_default_dtype())
             code = STRUCT_CODES.get(target)
             if code is not None:
                 # One cached struct packs (and validates) the whole list in C: no per-element
                 # Python loop. Non-numbers, nested lists and out-of-range values are refused
-                # there and take the general path below.
+                # there and take the general path below, which says what is wrong.
                 try:
                     self.packed = packer(code, len(data)).pack(*data)
                 except (struct.error, OverflowError, TypeError):
@@ -123,7 +113,7 @@ class HostSource:
             raise ValueError(f"{what} is not a rectangular list of numbers "
                              f"({describe(data)}): {exc}") from None
         if arr.dtype.kind == "O":
-            if any(isinstance(x, int) for x in arr.reshape(-1)[:1]):
+            if any(type(x) is int for x in arr.reshape(-1)[:1]):
                 raise ValueOverflowError(f"{what} holds an integer too large for 64 bits: "
                                          f"{describe(data)}")
             raise TypeError(f"{what} must hold numbers only; got {describe(data)}")
@@ -156,22 +146,46 @@ class HostSource:
                 and backend.is_pinned(t))
 
     def write_into(self, mem: torch.Tensor, mem_np: np.ndarray, offset: int) -> None:
-        """Write the values, converted to ``dtype``, at byte ``offset`` of ``mem`` (uint8)."""
+        """Write the values, converted to ``dtype``, at byte ``offset`` of ``mem`` (uint8;
+        ``mem_np`` is the same memory as NumPy)."""
         if self.numel == 0:
             return
+        end = offset + self.nbytes
         if self.packed is not None:
-            mem_np[offset : offset + self.nbytes] = np.frombuffer(self.packed, np.uint8)
-        elif self.tensor is not None:
-            dst = mem[offset : offset + self.nbytes].view(self.dtype).view(self.shape)
-            dst.copy_(self.tensor)
+            mem_np[offset:end] = np.frombuffer(self.packed, np.uint8)
+            return
+        npdt = torch_to_numpy(self.dtype)
+        if self.array is not None and npdt is not None:
+            # NumPy assignment: any strides and byte order, converted as torch's copy_ would
+            mem_np[offset:end].view(npdt).reshape(self.shape)[...] = self.array
+            return
+        src = self.tensor if self.tensor is not None else _array_tensor(self.array)
+        mem[offset:end].view(self.dtype).view(self.shape).copy_(src)
 
     def host_tensor(self) -> torch.Tensor:
-        """The values as a new contiguous CPU tensor of ``dtype`` (for unpinned paths)."""
-        out = torch.empty(self.shape, dtype=self.dtype)
-        if self.numel:
-            self.write_into(out.view(-1).view(torch.uint8), out.view(-1).view(torch.uint8).numpy(),
-                            0)
-        return out
+        """The values as a new contiguous CPU tensor of ``dtype`` that nothing else shares."""
+        if self.packed is not None:
+            return torch.frombuffer(bytearray(self.packed), dtype=self.dtype)
+        if self.tensor is not None:
+            return self.tensor.to(dtype=self.dtype, copy=True,
+                                  memory_format=torch.contiguous_format)
+        npdt = torch_to_numpy(self.dtype)
+        if npdt is not None:
+            return torch.from_numpy(np.array(self.array, dtype=npdt, order="C"))
+        return _array_tensor(self.array).to(dtype=self.dtype, copy=True,
+                                            memory_format=torch.contiguous_format)
+
+
+def _array_tensor(arr: np.ndarray | None) -> torch.Tensor:
+    """A CPU tensor over ``arr`` (copied only where torch can't express its strides)."""
+    if arr is None:
+        raise TypeError("no data")  # unreachable: HostSource always holds one source
+    if arr.dtype.byteorder == ">" or any(s < 0 for s in arr.strides) or arr.size == 0:
+        arr = np.array(arr, dtype=arr.dtype.newbyteorder("="), order="C", copy=True)
+    try:
+        return torch.from_numpy(arr)
+    except ValueError:  # strides torch can't express: one host copy
+        return torch.from_numpy(np.array(arr, order="C", copy=True))
 
 
 def _check_out(out: Any, backend: Backend, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -185,42 +199,68 @@ def _check_out(out: Any, backend: Backend, shape: tuple[int, ...], dtype: torch.
         raise ValueError(f"out has shape {tuple(out.shape)} but the data has shape {shape}")
 
 
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+def _typed_host(block_np: np.ndarray, block_t: torch.Tensor, start: int, nbytes: int,
+                dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A typed tensor over bytes ``start:start+nbytes`` of a host block (one cheap view)."""
+    npdt = torch_to_numpy(dtype)
+    if npdt is not None:
+        return torch.from_numpy(block_np[start : start + nbytes].view(npdt).reshape(shape))
+    return block_t[start : start + nbytes].view(dtype).view(shape)
+
+
+def _source_tensor(src: HostSource) -> torch.Tensor:
+    if src.tensor is not None:
+        return src.tensor
+    if src.array is not None:
+        return _array_tensor(src.array)
+    return src.host_tensor()
+
+
 def _stage_and_copy(backend: Backend, src: HostSource, dst: torch.Tensor, label: str) -> None:
-    """host -> pinned staging -> device, chunked through the ring for large sources."""
+    """host -> pinned staging -> device; large sources go in chunks through the ring, so the
+    host fills chunk k+1 while chunk k transfers."""
     arena = backend.arena()
     chunk = min(CHUNK_BYTES, max(ALIGN, arena.limit // 4))
-    if src.nbytes <= chunk or src.packed is not None:
-        if src.nbytes > arena.limit:
-            src_t = src.host_tensor()
-            src = HostSource(src_t, None, backend)
-        else:
-            region = arena.alloc(src.nbytes)
-            try:
-                src.write_into(region.block.tensor, region.block.np, region.start)
-                typed = region.view[: src.nbytes].view(src.dtype).view(src.shape)
-                backend.copy_h2d(dst, typed, label)  # host -> device, from pinned staging
-            finally:
-                arena.release(region)
-            return
+    if src.nbytes <= chunk:
+        region = arena.alloc(src.nbytes)
+        block = region.block
+        try:
+            src.write_into(block.tensor, block.np, region.start)
+            typed = _typed_host(block.np, block.tensor, region.start, src.nbytes, src.dtype,
+                                src.shape)
+            backend.copy_h2d(dst, typed, label)  # host -> device, from pinned staging
+        finally:
+            arena.release(region)
+        return
     # Large: split along the first dimension (or the flat view) into chunks of <= chunk bytes.
-    t = src.tensor if src.tensor is not None else src.host_tensor()
+    t = _source_tensor(src)
+    size = itemsize(src.dtype)
     if t.dim() == 0:
         t = t.reshape(1)
-    row_bytes = (t[0].numel() if t.shape[0] else 1) * itemsize(src.dtype)
+    row_bytes = (t[0].numel() if t.shape[0] else 1) * size
     if row_bytes > chunk:
         t = t.contiguous().reshape(-1)
         dflat = dst.view(-1)
-        row_bytes = itemsize(src.dtype)
+        row_bytes = size
     else:
         dflat = dst if dst.dim() else dst.view(1)
     rows = max(1, chunk // row_bytes)
     for i in range(0, t.shape[0], rows):
         piece = t[i : i + rows]
-        nb = piece.numel() * itemsize(src.dtype)
+        nb = piece.numel() * size
         region = arena.alloc(nb)
         try:
-            typed = region.view[:nb].view(src.dtype).view(piece.shape)
-            typed.copy_(piece)  # host memcpy (+ dtype conversion), parallel in torch for large
+            typed = _typed_host(region.block.np, region.block.tensor, region.start, nb,
+                                src.dtype, tuple(piece.shape))
+            typed.copy_(piece)  # host memcpy (+ conversion); torch runs large ones on threads
             backend.copy_h2d(dflat[i : i + rows], typed, label)  # host -> device
         finally:
             arena.release(region)
@@ -231,18 +271,14 @@ def _upload(backend: Backend, src: HostSource, out: torch.Tensor | None,
     if not backend.accelerator:  # CPU target: a finished host copy
         if out is None:
             return src.host_tensor()
-        if src.tensor is not None:
-            out.copy_(src.tensor)
-        else:
-            out.copy_(src.host_tensor())
+        out.copy_(_source_tensor(src))
         return out
     dst = out if out is not None else backend.empty(src.shape, src.dtype)
     if src.numel == 0:
         return dst
-    caps = capabilities_for(backend)
     if src.tensor is not None and src.reads_in_place(backend):
         backend.copy_h2d(dst, src.tensor, label)  # host -> device, read in place (pinned)
-    elif caps.pin_memory:
+    elif capabilities_for(backend).pin_memory:
         _stage_and_copy(backend, src, dst, label)
     else:
         t = src.tensor
@@ -272,30 +308,46 @@ def async_tensor_h2d(data: Any, device: Any = None, dtype: torch.dtype | None = 
     return _upload(backend, src, out, "async_tensor_h2d")
 
 
+def _views(base: torch.Tensor, srcs: list[HostSource],
+           offsets: list[int]) -> tuple[torch.Tensor, ...]:
+    """One typed view of ``base`` (uint8, 64-byte aligned offsets) per source."""
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    outs = []
+    for s, o in zip(srcs, offsets):
+        size = itemsize(s.dtype)
+        t = typed.get(s.dtype)
+        if t is None:
+            t = typed[s.dtype] = base.view(s.dtype)
+        outs.append(torch.as_strided(t, s.shape, _contiguous_strides(s.shape), o // size))
+    return tuple(outs)
+
+
 def h2d_many(arrays: Sequence[Any], device: Any = None,
              dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
     """Upload several lists/arrays/CPU tensors in one host-to-device transfer; returns one
     device tensor per input (views of one device allocation)."""
-    if isinstance(arrays, (str, bytes, np.ndarray, torch.Tensor)) or \
-            not isinstance(arrays, (list, tuple)):
+    if not isinstance(arrays, (list, tuple)):
         raise TypeError(f"arrays must be a list or tuple of inputs, got {describe(arrays)}")
     backend = get_backend(device)
     srcs = [HostSource(a, dtype, backend, what=f"arrays[{i}]") for i, a in enumerate(arrays)]
     if not srcs:
         return ()
-    if not backend.accelerator:
-        return tuple(s.host_tensor() for s in srcs)
     offsets = []
     total = 0
     for s in srcs:
         offsets.append(total)
         total += align_up(s.nbytes)
+    total = max(total, ALIGN)
+    if not backend.accelerator:  # CPU target: one host buffer, one view per input
+        host = torch.empty(total, dtype=torch.uint8)
+        host_np = host.numpy()
+        for o, s in zip(offsets, srcs):
+            s.write_into(host, host_np, o)
+        return _views(host, srcs, offsets)
     dev = backend.empty((total,), torch.uint8)
-    outs = tuple(dev[o : o + s.nbytes].view(s.dtype).view(s.shape) for o, s in zip(offsets, srcs))
-    if total == 0:
-        return outs
-    caps = capabilities_for(backend)
-    if caps.pin_memory and total <= min(CHUNK_BYTES, backend.arena().limit):
+    outs = _views(dev, srcs, offsets)
+    pinned = capabilities_for(backend).pin_memory
+    if pinned and total <= min(CHUNK_BYTES, backend.arena().limit):
         arena = backend.arena()
         region: Region = arena.alloc(total)
         try:
@@ -304,7 +356,7 @@ def h2d_many(arrays: Sequence[Any], device: Any = None,
             backend.copy_h2d(dev, region.view[:total], "h2d_many")  # host -> device, once
         finally:
             arena.release(region)
-    elif caps.pin_memory:  # too large for one staging region: one staged copy per input
+    elif pinned:  # too large for one staging region: one staged copy per input
         for s, o in zip(srcs, outs):
             _upload(backend, s, o, "h2d_many")
     else:
@@ -324,13 +376,12 @@ def np_to_pinned_tensor(array: np.ndarray) -> torch.Tensor:
     backend = get_backend(None)
     src = HostSource(array, None, backend, what="array")
     if not capabilities_for(backend).pin_memory:
-        return src.host_tensor() if src.tensor is None else src.tensor
+        return _array_tensor(array)
     mem = backend.alloc_pinned(src.nbytes)
-    out = mem[: src.nbytes].view(src.dtype).view(src.shape) if src.nbytes else \
-        torch.empty(src.shape, dtype=src.dtype)
-    if src.nbytes:
-        src.write_into(mem, mem.numpy(), 0)
-    return out
+    if not src.nbytes:
+        return torch.empty(src.shape, dtype=src.dtype)
+    src.write_into(mem, mem.numpy(), 0)
+    return _typed_host(mem.numpy(), mem, 0, src.nbytes, src.dtype, src.shape)
 
 
 def synchronize(device: Any = None) -> None:

@@ -64,6 +64,14 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return (lo, hi + size)
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` (so NaN == NaN for the hazard check)."""
+    flat = t.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    return flat.view(torch.uint8) if flat.dtype != torch.bool else flat
+
+
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return a[0] < b[1] and b[0] < a[1]
 
@@ -302,7 +310,7 @@ class Simulator:
         checked = []
         for t, what, always in reads:
             host = always or self.backend.is_pinned(t)
-            checked.append(_Read(t, t.clone() if host else None, what))
+            checked.append(_Read(t, _bytes(t).clone() if host else None, what))
         self._seq += 1
         self._queue.append(_Work(self._seq, label, fn, checked, [_span(w) for w in writes]))
         if self.mode == "eager":
@@ -331,7 +339,7 @@ class Simulator:
                 work = self._queue.popleft()
                 self._done = work.seq
                 for r in work.reads:
-                    if r.snapshot is not None and not torch.equal(r.tensor, r.snapshot):
+                    if r.snapshot is not None and not torch.equal(_bytes(r.tensor), r.snapshot):
                         raise HazardError(
                             f"{work.label}: the {r.what} (host memory at "
                             f"{r.tensor.data_ptr():#x}, shape {tuple(r.tensor.shape)}, "
