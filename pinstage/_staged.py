@@ -10,6 +10,7 @@ last staged write wins) so the device scatter never sees duplicate positions.
 
 from __future__ import annotations
 
+import array
 import struct
 from typing import Any
 
@@ -32,6 +33,17 @@ SUPPORTED_DTYPES = (torch.int32, torch.int64, torch.float32, torch.float16, torc
 def _scatter(flat: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> None:
     """The apply kernel: ``flat[idx] = vals`` (positions are unique, int64)."""
     flat.index_put_((idx,), vals)
+
+
+def _overlapping(starts: np.ndarray, lens: np.ndarray) -> bool:
+    """Whether any two staged runs ``[start, start+len)`` share a position."""
+    if starts.shape[0] < 2:
+        return False
+    if bool(np.all(starts[1:] >= starts[:-1] + lens[:-1])):  # increasing, disjoint: common
+        return False
+    order = np.argsort(starts, kind="stable")
+    s, e = starts[order], starts[order] + lens[order]
+    return bool(np.any(s[1:] < np.maximum.accumulate(e)[:-1]))
 
 
 def _as_int(x: Any, what: str) -> int:
@@ -94,25 +106,40 @@ class StagedWriteTensor:
         self._itemsize = itemsize(dtype)
         self._code = STRUCT_CODES.get(dtype)
         self._np_dtype = torch_to_numpy(dtype)
+        self._packers: dict[int, struct.Struct] = {}
         self.clear_staged_writes()
 
     # -- staging -----------------------------------------------------------------------------
     def clear_staged_writes(self) -> None:
         """Drop every staged write."""
-        self._starts: list[int] = []  # flat offset of each write
-        self._lens: list[int] = []
+        self._writes = array.array("q")  # flat offset, length of each write
         self._chunks: list[bytes] = []  # values, already in the target dtype
-        self._total = 0
-        self._spans: dict[int, list[tuple[int, int]]] = {}
-        self._overlap = False
 
     @property
     def num_staged(self) -> int:
         """Number of values staged (not calls)."""
-        return self._total
+        return sum(self._writes[1::2])
 
     def stage_write(self, index: int, start: int, values: Any) -> None:
         """Stage ``gpu[index, start:start+len(values)] = values``; checked now."""
+        # Fast path (the engine's hot loop): Python ints and a list of numbers. One cached
+        # struct packs and range-checks the values in C; anything else takes the general path,
+        # which explains what is wrong.
+        if type(index) is int and type(start) is int and type(values) is list:
+            n = len(values)
+            if 0 < n and 0 <= index < self.num_rows and 0 <= start and \
+                    start + n <= self.num_cols:
+                st = self._packers.get(n) or self._packer(n)
+                if st is not None:
+                    try:
+                        data = st.pack(*values)
+                    except (struct.error, OverflowError, TypeError):
+                        pass
+                    else:
+                        self._writes.append(index * self.num_cols + start)
+                        self._writes.append(n)
+                        self._chunks.append(data)
+                        return
         row = _as_int(index, "index")
         col = _as_int(start, "start")
         data, n = self._encode(values)
@@ -122,6 +149,12 @@ class StagedWriteTensor:
         if n == 0:
             return
         self._record(row, col, n, data)
+
+    def _packer(self, n: int) -> struct.Struct | None:
+        if self._code is None:
+            return None
+        st = self._packers[n] = packer(self._code, n)
+        return st
 
     def stage_write_elem(self, index: int, value: Any) -> None:
         """Stage ``gpu[index] = value`` (1-D) or ``gpu[index, 0] = value`` (2-D)."""
@@ -139,18 +172,9 @@ class StagedWriteTensor:
         self._record(row, 0, n, data)
 
     def _record(self, row: int, col: int, n: int, data: bytes) -> None:
-        spans = self._spans.get(row)
-        end = col + n
-        if spans is None:
-            self._spans[row] = [(col, end)]
-        else:
-            if not self._overlap:
-                self._overlap = any(a < end and col < b for a, b in spans)
-            spans.append((col, end))
-        self._starts.append(row * self.num_cols + col)
-        self._lens.append(n)
+        self._writes.append(row * self.num_cols + col)
+        self._writes.append(n)
         self._chunks.append(data)
-        self._total += n
 
     def _encode(self, values: Any) -> tuple[bytes, int]:
         """Values as bytes of the target dtype; refuses what doesn't fit (never wraps)."""
@@ -226,17 +250,17 @@ class StagedWriteTensor:
     def apply_write(self) -> None:
         """Enqueue device work that makes every staged write visible in ``.gpu``, in staging
         order; clears the staged list. At most one host-to-device copy for the batch."""
-        total = self._total
-        if total == 0:
+        if not self._writes:
             return
-        starts = np.fromiter(self._starts, np.int64, len(self._starts))
-        lens = np.fromiter(self._lens, np.int64, len(self._lens))
+        w = np.frombuffer(self._writes, dtype=np.int64).reshape(-1, 2)
+        starts, lens = w[:, 0], w[:, 1]
+        ends = np.cumsum(lens)
+        total = int(ends[-1])
         # position of value j: starts[w] + (j - first value index of write w)
-        first = np.cumsum(lens) - lens
-        idx = np.repeat(starts - first, lens) + np.arange(total, dtype=np.int64)
+        idx = np.repeat(starts - (ends - lens), lens) + np.arange(total, dtype=np.int64)
         vals = np.frombuffer(b"".join(self._chunks), np.uint8).view(
             self._np_dtype if self._np_dtype is not None else np.int16)
-        if self._overlap:  # keep the last write of each position (staging order)
+        if _overlapping(starts, lens):  # keep the last write of each position
             _, last_rev = np.unique(idx[::-1], return_index=True)
             keep = np.sort(total - 1 - last_rev)
             idx, vals = idx[keep], vals[keep]
