@@ -228,12 +228,28 @@ def resolve_device(device: Any = None) -> torch.device:
     return dev
 
 
+_RESOLVED: dict[Any, Backend] = {}  # device argument -> backend, when no simulator is active
+
+
 def get_backend(device: Any = None) -> Backend:
     """The backend that serves ``device`` (see :func:`resolve_device`)."""
     if SIM_STACK:
         sim = SIM_STACK[-1]
         if device is None or torch.device(device) == sim.device:
             return sim.backend  # type: ignore[no-any-return]
+    elif device is not None and type(device) in (str, torch.device):
+        hit = _RESOLVED.get(device)
+        if hit is not None:
+            return hit
+        backend = _get_backend(device)
+        if len(_RESOLVED) < 64 and not (backend.device.type == "cuda" and
+                                        torch.device(device).index is None):
+            _RESOLVED[device] = backend  # "cuda" without index follows the current device
+        return backend
+    return _get_backend(device)
+
+
+def _get_backend(device: Any) -> Backend:
     dev = resolve_device(device)
     if dev.type == "cpu":
         return _CPU

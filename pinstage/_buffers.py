@@ -90,6 +90,25 @@ def _host(backend: Backend, shape: tuple[int, ...], dtype: torch.dtype,
     return mem.view(dtype).view(shape) if nbytes else torch.zeros(shape, dtype=dtype)
 
 
+class _Prefixes:
+    """Cached ``t[:n]`` views of a few tensors (slicing costs microseconds on the hot path;
+    engines use a handful of distinct ``n``)."""
+
+    __slots__ = ("tensors", "cache")
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        self.tensors = tensors
+        self.cache: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def get(self, n: int) -> tuple[torch.Tensor, ...]:
+        hit = self.cache.get(n)
+        if hit is None:
+            if len(self.cache) >= 256:
+                self.cache.clear()
+            hit = self.cache[n] = tuple(t[:n] for t in self.tensors)
+        return hit
+
+
 def _numpy(t: torch.Tensor) -> np.ndarray | None:
     return t.numpy() if torch_to_numpy(t.dtype) is not None else None
 
@@ -124,18 +143,19 @@ class CpuGpuBuffer:
         self.gpu = backend.zeros(shape, dtype) if backend.accelerator else \
             torch.zeros(shape, dtype=dtype)
         self.np = self.cpu.numpy() if with_numpy else None
+        self._prefix = _Prefixes(self.cpu, self.gpu)
 
     def copy_to_gpu(self, n: int | None = None) -> torch.Tensor:
         """Enqueue ``.cpu[:n] -> .gpu[:n]``; returns ``.gpu[:n]``."""
-        n = _check_n(n, self.cpu.shape[0])
-        self._backend.copy_h2d(self.gpu[:n], self.cpu[:n], "CpuGpuBuffer.copy_to_gpu")
-        return self.gpu[:n]
+        cpu, gpu = self._prefix.get(_check_n(n, self.cpu.shape[0]))
+        self._backend.copy_h2d(gpu, cpu, "CpuGpuBuffer.copy_to_gpu")  # host -> device
+        return gpu
 
     def copy_to_cpu(self, n: int | None = None) -> torch.Tensor:
         """Enqueue ``.gpu[:n] -> .cpu[:n]``; returns ``.cpu[:n]``, valid after a synchronize."""
-        n = _check_n(n, self.cpu.shape[0])
-        self._backend.copy_d2h(self.cpu[:n], self.gpu[:n], "CpuGpuBuffer.copy_to_cpu")
-        return self.cpu[:n]
+        cpu, gpu = self._prefix.get(_check_n(n, self.cpu.shape[0]))
+        self._backend.copy_d2h(cpu, gpu, "CpuGpuBuffer.copy_to_cpu")  # device -> host
+        return cpu
 
 
 class UvaBuffer:
@@ -155,10 +175,11 @@ class UvaBuffer:
         self.cpu = _host(backend, shape, dtype, backend.accelerator)
         self.np = _numpy(self.cpu)
         self._view = backend.uva_view(self.cpu)
+        self._prefix = _Prefixes(self._view)
 
     def uva(self, n: int | None = None) -> torch.Tensor:
         """The device view of ``.cpu[:n]``."""
-        return self._view[: _check_n(n, self.cpu.shape[0])]
+        return self._prefix.get(_check_n(n, self.cpu.shape[0]))[0]
 
 
 class NonUvaBuffer:
@@ -176,12 +197,13 @@ class NonUvaBuffer:
         self.np = _numpy(self.cpu)
         self._dev = backend.empty(shape, dtype) if backend.accelerator else \
             torch.empty(shape, dtype=dtype)
+        self._prefix = _Prefixes(self.cpu, self._dev)
 
     def uva(self, n: int | None = None) -> torch.Tensor:
         """Device memory holding ``.cpu[:n]`` as it is now."""
-        n = _check_n(n, self.cpu.shape[0])
-        self._backend.copy_h2d(self._dev[:n], self.cpu[:n], "NonUvaBuffer.uva")
-        return self._dev[:n]
+        cpu, dev = self._prefix.get(_check_n(n, self.cpu.shape[0]))
+        self._backend.copy_h2d(dev, cpu, "NonUvaBuffer.uva")  # host -> device
+        return dev
 
 
 class UvaBufferPool:

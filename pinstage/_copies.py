@@ -338,12 +338,8 @@ def h2d_many(arrays: Sequence[Any], device: Any = None,
         offsets.append(total)
         total += align_up(s.nbytes)
     total = max(total, ALIGN)
-    if not backend.accelerator:  # CPU target: one host buffer, one view per input
-        host = torch.empty(total, dtype=torch.uint8)
-        host_np = host.numpy()
-        for o, s in zip(offsets, srcs):
-            s.write_into(host, host_np, o)
-        return _views(host, srcs, offsets)
+    if not backend.accelerator:  # CPU target: nothing to batch, a finished copy of each
+        return tuple(s.host_tensor() for s in srcs)
     dev = backend.empty((total,), torch.uint8)
     outs = _views(dev, srcs, offsets)
     pinned = capabilities_for(backend).pin_memory

@@ -261,3 +261,39 @@ class CudaBackend(Backend):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+
+def device_name(device: torch.device) -> str:
+    return str(torch.cuda.get_device_name(device))
+
+
+def bandwidth_probe(device: torch.device, nbytes: int = 64 * 2**20) -> dict[str, float]:
+    """A few seconds' measure of H2D bandwidth (pinned and pageable) and of a small copy's
+    host overhead, for ``pinstage doctor``."""
+    import time
+
+    import numpy as np
+
+    backend = backend_for(device)
+    pinned = backend.alloc_pinned(nbytes)
+    pageable = torch.empty(nbytes, dtype=torch.uint8)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    out: dict[str, float] = {}
+    for name, src in (("pinned_h2d_gbps", pinned), ("pageable_h2d_gbps", pageable)):
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+        out[name] = nbytes / float(np.median(times)) / 1e9
+    small = pinned[:1024]
+    calls = 200
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        dst[:1024].copy_(small, non_blocking=True)
+    out["small_copy_host_us"] = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize(device)
+    return out
