@@ -344,7 +344,7 @@ def simulator_checks() -> dict[str, Any]:
         swt = pinstage.StagedWriteTensor((256, 64), torch.int32, sim.device)
         reserved0 = 0
         for step in range(50):
-            if step == 1:  # after the first step has sized the arena and the pools
+            if step == 3:  # after the first steps have sized the arena and every pool slot
                 reserved0 = pinstage.host_memory_stats()["reserved_bytes"]
             pinstage.h2d_many([list(range(256))] * 3, sim.device, dtype=torch.int32)
             for r in range(256):
