@@ -134,3 +134,25 @@ def test_bad_devices_argument():
     with pytest.raises(TypeError):
         with audit(devices=[3]):
             pass
+
+
+def test_noncontiguous_pinned_and_pinned_d2h(monkeypatch):
+    """A CPU-only build can't pin, so pretend: the classifier asks is_pinned() of the tensor."""
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a, **k: True)
+    dev = torch.empty(4, 4, device=META)
+    src = torch.ones(4, 8)[:, ::2]  # "pinned", non-contiguous
+    with audit() as report:
+        dev.copy_(src, non_blocking=True)
+        dev.copy_(torch.ones(4, 4), non_blocking=True)  # "pinned" contiguous: fine
+        host = torch.empty(4, 4)
+        with pytest.raises(Exception):
+            host.copy_(dev, non_blocking=True)  # into "pinned" memory: not a finding
+    assert report.counts() == {"noncontiguous-pinned": 1}
+
+
+def test_d2h_into_pageable_even_non_blocking():
+    dev = torch.empty(4, device=META)
+    with audit() as report:
+        with pytest.raises(Exception):
+            torch.empty(4).copy_(dev, non_blocking=True)
+    assert report.counts() == {"d2h": 1}
