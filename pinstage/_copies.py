@@ -191,7 +191,7 @@ def _array_tensor(arr: np.ndarray | None) -> torch.Tensor:
 def _check_out(out: Any, backend: Backend, shape: tuple[int, ...], dtype: torch.dtype) -> None:
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a device tensor, got {describe(out)}")
-    if backend.accelerator and not backend.is_device_tensor(out) and backend.name != "simulated":
+    if out.device != backend.device:
         raise ValueError(f"out must be a tensor on {backend.device}, got one on {out.device}")
     if out.dtype != dtype:
         raise ValueError(f"out has dtype {out.dtype} but the result's dtype is {dtype}")
@@ -343,7 +343,7 @@ def h2d_many(arrays: Sequence[Any], device: Any = None,
     dev = backend.empty((total,), torch.uint8)
     outs = _views(dev, srcs, offsets)
     pinned = capabilities_for(backend).pin_memory
-    if pinned and total <= min(CHUNK_BYTES, backend.arena().limit):
+    if pinned and total <= backend.arena().limit:
         arena = backend.arena()
         region: Region = arena.alloc(total)
         try:
@@ -352,9 +352,9 @@ def h2d_many(arrays: Sequence[Any], device: Any = None,
             backend.copy_h2d(dev, region.view[:total], "h2d_many")  # host -> device, once
         finally:
             arena.release(region)
-    elif pinned:  # too large for one staging region: one staged copy per input
-        for s, o in zip(srcs, outs):
-            _upload(backend, s, o, "h2d_many")
+    elif pinned:  # larger than the whole staging cap: each input staged on its own
+        for s, dst in zip(srcs, outs):
+            _upload(backend, s, dst, "h2d_many")
     else:
         host = torch.empty(total, dtype=torch.uint8)
         host_np = host.numpy()

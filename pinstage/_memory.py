@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from ._backend import Backend, Event
+    from ._backend import Backend
 
 __all__ = ["HostRegion", "host_memory_stats", "StagingArena", "parse_size", "staging_limit"]
 
@@ -153,6 +153,8 @@ class HostRegion:
                 self._unpin(self.ptr, self.size)
             if self._on_free is not None:
                 self._on_free(self)
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the driver may be gone
+            pass
         finally:
             STATS.unreserve(self.size)
             if self._in_use:
@@ -181,7 +183,8 @@ def parse_size(value: int | str, what: str = "size") -> int:
             raise ValueError(f"{what} {value!r} is not a size: expected bytes or e.g. '64MiB'")
         n = int(float(m.group(1)) * _UNITS[unit])
     else:
-        raise TypeError(f"{what} must be an int or a string like '64MiB', got {type(value).__name__}")
+        raise TypeError(f"{what} must be an int or a string like '64MiB', "
+                        f"got {type(value).__name__}")
     if n <= 0:
         raise ValueError(f"{what} must be positive, got {value!r}")
     return n

@@ -171,7 +171,7 @@ def _h2d_many(device: torch.device):  # type: ignore[no-untyped-def]
 def _buffer_round_trip(device: torch.device):  # type: ignore[no-untyped-def]
     buf = pinstage.CpuGpuBuffer(1024, dtype=torch.int32, device=device)
     host = np.arange(1024, dtype=np.int32)
-    buf.np[:] = host
+    buf.cpu.copy_(torch.from_numpy(host))
 
     def ours() -> torch.Tensor:
         buf.copy_to_gpu(512)
@@ -225,7 +225,7 @@ def _small_latency(device: torch.device):  # type: ignore[no-untyped-def]
 def _uva_gather(device: torch.device):  # type: ignore[no-untyped-def]
     rows, cols = 1 << 16, 64
     buf = pinstage.UvaBuffer((rows, cols), torch.float32, device)
-    buf.np[:] = 1.0
+    buf.cpu.fill_(1.0)
     idx = torch.randint(0, rows, (4096,), device=device)
     view = buf.uva()
     host = buf.cpu
@@ -342,7 +342,7 @@ def simulator_checks() -> dict[str, Any]:
         # 50 engine steps; like a real engine, step k+1 starts once step k's outputs were read
         # (the device is then at most one step behind). Any host wait inside pinstage counts.
         swt = pinstage.StagedWriteTensor((256, 64), torch.int32, sim.device)
-        reserved0 = 0
+        reserved0 = prev = 0
         for step in range(50):
             if step == 3:  # after the first steps have sized the arena and every pool slot
                 reserved0 = pinstage.host_memory_stats()["reserved_bytes"]

@@ -87,7 +87,7 @@ class _Read:
 class _Work:
     seq: int
     label: str
-    fn: Callable[[], None]
+    fn: Callable[[], Any]
     reads: list[_Read] = field(default_factory=list)
     writes: list[tuple[int, int]] = field(default_factory=list)
 
@@ -304,7 +304,7 @@ class Simulator:
         self._run_until(self._seq)
 
     # -- internals ---------------------------------------------------------------------------
-    def _enqueue(self, label: str, fn: Callable[[], None],
+    def _enqueue(self, label: str, fn: Callable[[], Any],
                  reads: Sequence[tuple[torch.Tensor, str, bool]],
                  writes: Sequence[torch.Tensor]) -> None:
         checked = []
