@@ -65,6 +65,12 @@ class Finding:
     count: int
     message: str
 
+    def __getitem__(self, key: str) -> object:
+        """``finding["kind"]`` works too."""
+        if key not in ("kind", "where", "count", "message"):
+            raise KeyError(key)
+        return getattr(self, key)
+
 
 class SyncReport:
     """What an :func:`audit` found: ``findings`` (one per kind and call site) and

@@ -127,8 +127,11 @@ class Backend:
 def host_region_tensor(nbytes: int, *, in_use: bool = True,
                        pin: Callable[[int, int], None] | None = None,
                        unpin: Callable[[int, int], None] | None = None,
-                       on_free: Callable[[HostRegion], None] | None = None) -> torch.Tensor:
-    region = HostRegion(nbytes, pin=pin, unpin=unpin, on_free=on_free, in_use=in_use)
+                       on_free: Callable[[HostRegion], None] | None = None,
+                       page_aligned: bool = True) -> torch.Tensor:
+    """A zero-filled uint8 tensor over a new :class:`HostRegion` (counted in the stats)."""
+    region = HostRegion(nbytes, pin=pin, unpin=unpin, on_free=on_free, in_use=in_use,
+                        page_aligned=page_aligned)
     return region.as_tensor()
 
 

@@ -98,10 +98,12 @@ def host_memory_stats() -> dict[str, int]:
 
 
 class HostRegion:
-    """Page-aligned host memory of an exact size, optionally pinned through callbacks.
+    """Host memory of an exact size, optionally pinned through callbacks.
 
-    ``as_tensor()`` returns a uint8 tensor over it; NumPy keeps this object as the array's base,
-    so the region lives exactly as long as any tensor or view made from it.
+    ``page_aligned`` (for memory a driver will register): its own ``mmap``, rounded to the
+    page. Otherwise (simulated pinned memory): 64-byte aligned, rounded to 64 bytes.
+    ``as_tensor()`` returns a zero-filled uint8 tensor over it; NumPy keeps this object as the
+    array's base, so the region lives exactly as long as any tensor or view made from it.
     """
 
     def __init__(
@@ -113,13 +115,23 @@ class HostRegion:
         on_free: Callable[[HostRegion], None] | None = None,
         requested: int | None = None,
         in_use: bool = True,
+        page_aligned: bool = True,
     ) -> None:
         self.nbytes = int(nbytes)
-        self.size = max(PAGE, (self.nbytes + PAGE - 1) // PAGE * PAGE)
-        self._mm: mmap.mmap | None = mmap.mmap(-1, self.size)
-        view = ctypes.c_char.from_buffer(self._mm)
-        self.ptr = ctypes.addressof(view)
-        del view  # release the buffer export so the mapping can be closed later
+        self._mm: mmap.mmap | None = None
+        self._buf: np.ndarray | None = None
+        if page_aligned:
+            self.size = max(PAGE, (self.nbytes + PAGE - 1) // PAGE * PAGE)
+            self._mm = mmap.mmap(-1, self.size)  # zero-filled, page-aligned
+            view = ctypes.c_char.from_buffer(self._mm)
+            self.ptr = ctypes.addressof(view)
+            del view  # release the buffer export so the mapping can be closed later
+        else:
+            self.size = max(ALIGN, align_up(self.nbytes))
+            self._buf = np.zeros(self.size + ALIGN, dtype=np.uint8)
+            base = self._buf.ctypes.data
+            self.ptr = align_up(base)
+        self._alive = True
         self._unpin = unpin
         self._on_free = on_free
         self._requested = self.nbytes if requested is None else requested
@@ -128,9 +140,7 @@ class HostRegion:
             try:
                 pin(self.ptr, self.size)
             except BaseException:
-                self._unpin = None
-                self._mm.close()
-                self._mm = None
+                self._close()
                 raise
         STATS.reserve(self.size)
         if in_use:
@@ -145,8 +155,15 @@ class HostRegion:
     def as_tensor(self) -> torch.Tensor:
         return torch.from_numpy(np.asarray(self))
 
+    def _close(self) -> None:
+        self._alive = False
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+        self._buf = None
+
     def __del__(self) -> None:
-        if self._mm is None:
+        if not getattr(self, "_alive", False):
             return
         try:
             if self._unpin is not None:
@@ -159,8 +176,7 @@ class HostRegion:
             STATS.unreserve(self.size)
             if self._in_use:
                 STATS.unuse(self.size, self._requested)
-            self._mm.close()
-            self._mm = None
+            self._close()
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)

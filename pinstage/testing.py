@@ -156,7 +156,7 @@ class SimBackend(Backend):
             ranges.remove(r.ptr)
 
         if account:
-            t = host_region_tensor(nbytes, in_use=in_use, on_free=on_free)
+            t = host_region_tensor(nbytes, in_use=in_use, on_free=on_free, page_aligned=False)
         else:  # device memory: not host memory, not in host_memory_stats
             region = _DeviceRegion(nbytes, on_free)
             t = torch.from_numpy(np.asarray(region))

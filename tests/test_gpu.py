@@ -20,10 +20,20 @@ def dev():
     return torch.device("cuda", torch.cuda.current_device())
 
 
+_CYCLES_PER_MS: list[float] = []
+
+
 def _busy(ms: float = 50.0) -> None:
-    """Queue about ``ms`` of GPU work on the current stream."""
-    cycles = int(ms * 1e-3 * torch.cuda.get_device_properties(0).clock_rate * 1e3)
-    torch.cuda._sleep(cycles)
+    """Queue about ``ms`` of GPU work on the current stream (spin kernel, calibrated once)."""
+    if not _CYCLES_PER_MS:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(1_000_000)  # warm up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        torch.cuda._sleep(20_000_000)
+        torch.cuda.synchronize()
+        _CYCLES_PER_MS.append(20_000_000 / ((time.perf_counter() - t0) * 1e3))
+    torch.cuda._sleep(int(ms * _CYCLES_PER_MS[0]))
 
 
 def test_capabilities_on_gpu(dev):
@@ -36,7 +46,10 @@ def test_capabilities_on_gpu(dev):
 def test_host_returns_while_gpu_busy(dev):
     data = list(range(256))
     arr = np.arange(4096, dtype=np.float32)
-    pinstage.async_tensor_h2d(data, dev)  # warm up the arena
+    for _ in range(3):  # warm up the arena, the caching allocator and the events
+        pinstage.async_tensor_h2d(data, dev, dtype=torch.int32)
+        pinstage.async_tensor_h2d(arr, dev)
+        pinstage.h2d_many([data, arr], dev)
     torch.cuda.synchronize()
     _busy(100)
     t0 = time.perf_counter()
@@ -55,6 +68,10 @@ def test_host_returns_while_gpu_busy(dev):
 def test_staged_write_does_not_block(dev):
     swt = pinstage.StagedWriteTensor((256, 64), torch.int32, dev)
     ref = torch.zeros(256, 64, dtype=torch.int32)
+    for r in range(256):  # warm up: size the metadata slots
+        swt.stage_write(r, 0, [0] * 16)
+    swt.apply_write()
+    swt.stage_write(0, 0, [0] * 16)
     swt.apply_write()
     torch.cuda.synchronize()
     _busy(100)

@@ -33,7 +33,7 @@ def test_exact_size_accounting_for_buffers():
         after = pinstage.host_memory_stats()
         assert after["requested_bytes"] - before["requested_bytes"] == 4000
         reserved = after["reserved_bytes"] - before["reserved_bytes"]
-        assert 4000 <= reserved <= 4096  # exact size plus page alignment, no power of two
+        assert 4000 <= reserved <= 4000 + 64  # exact size plus alignment, no power of two
         del buf
         gc.collect()
         assert pinstage.host_memory_stats()["reserved_bytes"] == before["reserved_bytes"]
