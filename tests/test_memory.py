@@ -123,3 +123,33 @@ def test_stats_shape():
 
 def test_hazard_error_is_runtime_error():
     assert issubclass(HazardError, RuntimeError)
+
+
+@pytest.mark.parametrize("mode", ["eager", "random"])
+def test_steady_state_allocates_no_pinned_memory(mode):
+    """After warm-up, engine-like steps reuse the arena and the pools: nothing new is pinned."""
+    with simulated_accelerator(mode, seed=4) as sim:
+        swt = pinstage.StagedWriteTensor((64, 32), torch.int32, sim.device)
+        pool = pinstage.UvaBufferPool((64,), torch.int64, device=sim.device)
+        buf = pinstage.CpuGpuBuffer(64, dtype=torch.int32, device=sim.device)
+
+        def step(i):
+            pinstage.async_tensor_h2d(list(range(64)), sim.device, dtype=torch.int32)
+            pinstage.async_tensor_h2d(np.arange(100) + i, sim.device)
+            pinstage.h2d_many([[i] * 8, np.arange(5)], sim.device)
+            for r in range(64):
+                swt.stage_write(r, i % 28, [r, i, r, i])
+            swt.apply_write()
+            pool.copy_to_uva(np.arange(40) + i)
+            buf.copy_to_gpu(32)
+            sim.synchronize()  # the engine reads this step's results
+
+        for i in range(5):
+            step(i)
+        before = pinstage.host_memory_stats()["reserved_bytes"]
+        reserved = sim.backend.arena().reserved
+        for i in range(5, 60):
+            step(i)
+        assert pinstage.host_memory_stats()["reserved_bytes"] == before
+        assert sim.backend.arena().reserved == reserved
+        assert sim.stats.host_stalls == 0
