@@ -78,8 +78,10 @@ class Backend:
         return torch.zeros(tuple(shape), dtype=dtype, device=self.device)
 
     # -- device work -------------------------------------------------------------------------
-    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, label: str = "") -> None:
-        """host -> device; asynchronous when ``src`` is pinned and contiguous."""
+    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, label: str = "",
+                 pinned: bool = False) -> None:
+        """host -> device; asynchronous when ``src`` is pinned and contiguous (``pinned``:
+        the caller knows it is, e.g. staging memory, so the backend need not ask)."""
         raise NotImplementedError
 
     def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, label: str = "") -> None:
@@ -98,6 +100,11 @@ class Backend:
         fn(*args, **kwargs)
 
     def record_event(self) -> Any:
+        """An event recorded on the current stream, after all work queued on it so far."""
+        return None
+
+    def stream_key(self) -> Any:
+        """Identifies the current stream (an event fences work on its own stream only)."""
         return None
 
     def event_done(self, event: Any) -> bool:
@@ -152,7 +159,8 @@ class CpuBackend(Backend):
     def is_device_tensor(self, t: torch.Tensor) -> bool:
         return False
 
-    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, label: str = "") -> None:
+    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, label: str = "",
+                 pinned: bool = False) -> None:
         dst.copy_(src)  # host -> host
 
     def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, label: str = "") -> None:
@@ -184,7 +192,8 @@ class GenericBackend(Backend):
             f"{self.device.type} device: pinstage stages through pinned memory only on "
             "CUDA/ROCm; copies here are plain torch copies",))
 
-    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, label: str = "") -> None:
+    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, label: str = "",
+                 pinned: bool = False) -> None:
         with pinstage_fallback():
             dst.copy_(src)  # host -> device, blocking: no pinned staging on this device type
 
@@ -220,6 +229,10 @@ def resolve_device(device: Any = None) -> torch.device:
         if cuda.available():
             return cuda.current_device()
         return torch.device("cpu")
+    if isinstance(device, torch.dtype):
+        raise TypeError(f"device must be a device, got the dtype {device}: pinstage's order is "
+                        "async_tensor_h2d(data, device, dtype, out) (vLLM's older one put "
+                        "dtype second); pass them by keyword")
     if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
         raise TypeError(f"device must be a torch.device, a string or an int, got {device!r}")
     try:

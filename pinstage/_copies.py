@@ -236,7 +236,7 @@ def _stage_and_copy(backend: Backend, src: HostSource, dst: torch.Tensor, label:
             src.write_into(block.tensor, block.np, region.start)
             typed = _typed_host(block.np, block.tensor, region.start, src.nbytes, src.dtype,
                                 src.shape)
-            backend.copy_h2d(dst, typed, label)  # host -> device, from pinned staging
+            backend.copy_h2d(dst, typed, label, pinned=True)  # host -> device, from staging
         finally:
             arena.release(region)
         return
@@ -261,7 +261,7 @@ def _stage_and_copy(backend: Backend, src: HostSource, dst: torch.Tensor, label:
             typed = _typed_host(region.block.np, region.block.tensor, region.start, nb,
                                 src.dtype, tuple(piece.shape))
             typed.copy_(piece)  # host memcpy (+ conversion); torch runs large ones on threads
-            backend.copy_h2d(dflat[i : i + rows], typed, label)  # host -> device
+            backend.copy_h2d(dflat[i : i + rows], typed, label, pinned=True)  # host -> device
         finally:
             arena.release(region)
 
@@ -349,7 +349,7 @@ def h2d_many(arrays: Sequence[Any], device: Any = None,
         try:
             for o, s in zip(offsets, srcs):
                 s.write_into(region.block.tensor, region.block.np, region.start + o)
-            backend.copy_h2d(dev, region.view[:total], "h2d_many")  # host -> device, once
+            backend.copy_h2d(dev, region.view[:total], "h2d_many", pinned=True)  # one copy
         finally:
             arena.release(region)
     elif pinned:  # larger than the whole staging cap: each input staged on its own

@@ -215,8 +215,9 @@ class CudaBackend(Backend):
         return t.device.type == "cuda"
 
     # -- device work -------------------------------------------------------------------------
-    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, label: str = "") -> None:
-        if src.is_contiguous() and src.is_pinned():
+    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, label: str = "",
+                 pinned: bool = False) -> None:
+        if pinned or (src.is_contiguous() and src.is_pinned()):
             dst.copy_(src, non_blocking=True)  # host -> device, async from pinned memory
         else:
             with pinstage_fallback():
@@ -231,8 +232,14 @@ class CudaBackend(Backend):
 
     def record_event(self) -> Any:
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        event.record(torch.cuda.current_stream(self.device))  # after all work queued so far
         return event
+
+    def stream_key(self) -> Any:
+        get = getattr(torch._C, "_cuda_getCurrentStream", None)
+        if get is not None:  # cheap: (stream id, device index, device type)
+            return get(self.index)[0]
+        return torch.cuda.current_stream(self.device).stream_id
 
     def event_done(self, event: Any) -> bool:
         return event is None or bool(event.query())

@@ -33,6 +33,7 @@ __all__ = ["HostRegion", "host_memory_stats", "StagingArena", "parse_size", "sta
 
 PAGE = mmap.PAGESIZE
 ALIGN = 64  # every staging region starts on a 64-byte boundary (enough for any dtype)
+FENCE_EVERY = 8  # released staging regions covered by one event
 
 
 def align_up(n: int, a: int = ALIGN) -> int:
@@ -283,7 +284,10 @@ class StagingArena:
         self.limit = int(limit)
         self.initial = min(int(initial), self.limit)
         self._blocks: list[_Block] = []  # retired blocks first, the current one last
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._unfenced: list[Region] = []  # released, no event recorded after them yet
+        self._unfenced_bytes = 0
+        self._unfenced_stream: Any = None
         _ARENAS.add(self)
 
     @property
@@ -311,11 +315,32 @@ class StagingArena:
                 self._wait_oldest()
 
     def release(self, region: Region) -> None:
-        """Mark ``region`` reusable once the device work enqueued so far has completed."""
+        """Mark ``region`` reusable once the device work enqueued so far has completed.
+
+        Fences are batched: one event covers several released regions (an event that completes
+        implies every copy enqueued before it has), recorded every few releases, or at once
+        when the arena needs the space."""
         if region.released:
             return
-        region.event = self.backend.record_event()
         region.released = True
+        with self._lock:
+            stream = self.backend.stream_key()
+            if stream != self._unfenced_stream:  # one event covers one stream only
+                self._fence()
+                self._unfenced_stream = stream
+            self._unfenced.append(region)
+            self._unfenced_bytes += region.nbytes
+            if len(self._unfenced) >= FENCE_EVERY or \
+                    self._unfenced_bytes * 8 >= region.block.size:
+                self._fence()
+
+    def _fence(self) -> None:
+        if self._unfenced:
+            event = self.backend.record_event()
+            for r in self._unfenced:
+                r.event = event
+            self._unfenced.clear()
+            self._unfenced_bytes = 0
 
     def _try_alloc(self, n: int, requested: int) -> Region | None:
         if not self._blocks:
@@ -338,7 +363,7 @@ class StagingArena:
         for block in list(self._blocks):
             while block.live:
                 r = block.live[0]
-                if not r.released or not self.backend.event_done(r.event):
+                if r.event is None or not self.backend.event_done(r.event):
                     break
                 self._free(block)
             if not block.live and block is not self._blocks[-1]:
@@ -367,6 +392,8 @@ class StagingArena:
                     raise RuntimeError(
                         "pinstage staging arena is full of regions still being filled; "
                         "raise PINSTAGE_STAGING_LIMIT")
+                if r.event is None:
+                    self._fence()
                 with STATS.lock:
                     STATS.waits += 1
                 self.backend.wait_event(r.event)
@@ -374,6 +401,7 @@ class StagingArena:
         raise RuntimeError("pinstage staging arena cannot satisfy the request")  # unreachable
 
     def drain(self) -> None:
-        """Forget completed regions (after a synchronize)."""
+        """Fence what was released and forget the regions whose readers have completed."""
         with self._lock:
+            self._fence()
             self._reclaim()

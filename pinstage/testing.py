@@ -188,8 +188,9 @@ class SimBackend(Backend):
         return t
 
     # -- device work -------------------------------------------------------------------------
-    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, label: str = "") -> None:
-        self.sim.stats.copies += 1
+    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, label: str = "",
+                 pinned: bool = False) -> None:
+        self.sim.stats.copies += 1  # (the hint is not trusted: the simulator checks for itself)
         what = f"host source of {label or 'a host-to-device copy'}"
         if not (self.is_pinned(src) and src.is_contiguous()):
             # A pageable (or non-contiguous) source blocks the host on a real device: the
