@@ -240,6 +240,11 @@ def _stage_and_copy(backend: Backend, src: HostSource, dst: torch.Tensor, label:
         finally:
             arena.release(region)
         return
+    if not dst.is_contiguous():  # a strided `out`: stage into fresh memory, then one copy
+        tmp = backend.empty(src.shape, src.dtype)
+        _stage_and_copy(backend, src, tmp, label)
+        backend.copy_d2d(dst, tmp, label)
+        return
     # Large: split along the first dimension (or the flat view) into chunks of <= chunk bytes.
     t = _source_tensor(src)
     size = itemsize(src.dtype)

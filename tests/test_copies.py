@@ -238,3 +238,19 @@ def test_property_int_lists(values, dtype):
         out = pinstage.async_tensor_h2d(values, t.device, dtype=dtype)
         t.sync()
         assert torch.equal(out, torch.tensor(values, dtype=dtype))
+
+
+def test_large_source_into_strided_out(monkeypatch):
+    from pinstage import _copies
+    from pinstage.testing import simulated_accelerator
+
+    monkeypatch.setattr(_copies, "CHUNK_BYTES", 1024)
+    with simulated_accelerator("random", seed=2) as sim:
+        base = pinstage.async_tensor_h2d(np.zeros((64, 64), np.float32), sim.device)
+        out = base[:, ::2]
+        src = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+        res = pinstage.async_tensor_h2d(src, out=out)
+        sim.synchronize()
+        assert res is out
+        np.testing.assert_array_equal(out.numpy(), src)
+        assert float(base[:, 1::2].abs().sum()) == 0.0
