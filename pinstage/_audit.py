@@ -39,7 +39,14 @@ KINDS = {
     "d2h": "accelerator-to-host copy that blocks, or lands in pageable memory",
     "item": "reads an accelerator value on the host (.item(), .tolist(), bool(tensor)): the "
             "host waits for all queued work",
+    "data-dependent": "the output's size depends on values on the accelerator (nonzero, "
+                      "boolean-mask indexing, masked_select, unique, repeat_interleave without "
+                      "output_size): the host waits to learn it",
 }
+
+_aten = torch.ops.aten
+_DATA_DEPENDENT = {_aten.nonzero, _aten.masked_select, _aten._unique2, _aten._unique,
+                   _aten.unique_dim, _aten.unique_consecutive}
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -210,6 +217,19 @@ class _AuditMode(TorchDispatchMode):
             src = args[0]
             if isinstance(src, torch.Tensor) and self._accel(src.device):
                 self._found("item", f".item() of a {src.device} tensor")
+        elif packet in _DATA_DEPENDENT or (
+                packet is _aten.repeat_interleave and kwargs.get("output_size") is None
+                and not (len(args) > 3 and args[3] is not None)):
+            src = args[0]
+            if isinstance(src, torch.Tensor) and self._accel(src.device):
+                self._found("data-dependent", f"{packet.__name__} of a {src.device} tensor")
+        elif packet is _aten.index:
+            src, indices = args[0], args[1]
+            if isinstance(src, torch.Tensor) and self._accel(src.device) and any(
+                    isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+                    for i in indices):
+                self._found("data-dependent", f"boolean-mask indexing of a {src.device} "
+                                              "tensor")
 
 
 @contextlib.contextmanager

@@ -157,3 +157,18 @@ def test_d2h_into_pageable_even_non_blocking():
         with pytest.raises(META_ERRORS):
             torch.empty(4).copy_(dev, non_blocking=True)
     assert report.counts() == {"d2h": 1}
+
+
+def test_data_dependent_shapes_are_found():
+    x = torch.empty(6, device=META)
+    mask = torch.empty(6, dtype=torch.bool, device=META)
+    reps = torch.empty(6, dtype=torch.int64, device=META)
+    with audit() as report:
+        for op in (lambda: torch.nonzero(x), lambda: x[mask], lambda: x.masked_select(mask),
+                   lambda: torch.unique(x), lambda: reps.repeat_interleave(reps)):
+            try:
+                op()
+            except META_ERRORS:
+                pass  # meta can't compute these; the audit saw them first
+        x.repeat_interleave(reps, output_size=12)  # sized: no sync
+    assert report.counts() == {"data-dependent": 5}

@@ -157,7 +157,9 @@ def test_audit_on_cuda(dev):
         two_d = pinstage.np_to_pinned_tensor(np.ones((32, 64), np.float32))
         torch.empty(32, 32, device=dev).copy_(two_d[:, ::2], non_blocking=True)
         torch.empty(1024, device=dev).copy_(pinned, non_blocking=True)  # fine
+        torch.nonzero(d)
     counts = report.counts()
+    assert counts.get("data-dependent") == 1
     assert counts.get("noncontiguous-pinned") == 1
     assert counts.get("pageable-nonblocking", 0) >= 1
     assert counts.get("item") == 1
