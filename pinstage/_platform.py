@@ -6,7 +6,8 @@ import os
 import re
 from dataclasses import dataclass
 
-__all__ = ["WslInfo", "wsl_info", "in_container", "WSL_MIN_KERNEL", "WSL_STAGING_LIMIT"]
+__all__ = ["WslInfo", "wsl_info", "in_container", "confidential_vm", "WSL_MIN_KERNEL",
+           "WSL_STAGING_LIMIT"]
 
 # vLLM enables pinned memory on WSL only from this kernel on (earlier WSL 2 kernels could not
 # pin at all). We keep the same floor.
@@ -54,3 +55,14 @@ def in_container() -> bool:
     except OSError:
         return False
     return any(k in text for k in ("docker", "kubepods", "containerd", "libpod"))
+
+
+def confidential_vm() -> str | None:
+    """The confidential-computing guest technology this VM runs under, if its guest device is
+    visible (GPU Confidential Computing needs one): ``"Intel TDX"``, ``"AMD SEV-SNP"``, else
+    ``None``."""
+    if os.path.exists("/dev/tdx_guest"):
+        return "Intel TDX"
+    if os.path.exists("/dev/sev-guest"):
+        return "AMD SEV-SNP"
+    return None

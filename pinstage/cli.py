@@ -18,7 +18,7 @@ BENCH_EXTRA_HINT = "install the bench extra: pip install 'pinstage[bench]'"
 
 
 def _advice(caps: Any) -> list[str]:
-    from ._platform import in_container, wsl_info
+    from ._platform import confidential_vm, in_container, wsl_info
 
     tips: list[str] = []
     wsl = wsl_info()
@@ -52,8 +52,15 @@ def _advice(caps: Any) -> list[str]:
         if getattr(torch.version, "hip", None):
             tips.append("ROCm: UVA views use hipHostGetDevicePointer (registered memory can "
                         "live at another device address); the coherence probe checked them.")
-        tips.append("Confidential Computing cannot be detected from here; if it is on, the "
-                    "UVA coherence probe fails closed and UVA stays off.")
+    cc = confidential_vm()
+    if cc is not None:
+        tips.append(f"Confidential VM ({cc}): with GPU Confidential Computing, host-device "
+                    "traffic goes through encrypted bounce buffers; UVA views of pinned memory "
+                    "can read garbage, so pinstage trusts UVA only if its coherence probe "
+                    "passed (see the reasons above). Expect lower H2D bandwidth.")
+    elif caps.accelerator and caps.backend == "cuda":
+        tips.append("No confidential-VM guest device is visible; if GPU Confidential Computing "
+                    "is on anyway, the UVA coherence probe fails closed and UVA stays off.")
     return tips
 
 

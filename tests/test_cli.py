@@ -86,3 +86,21 @@ def test_audit_command(tmp_path):
     clean = tmp_path / "clean.py"
     clean.write_text("import torch\ntorch.ones(2).sum()\n")
     assert run("audit", "--strict", "--", "python", str(clean)).returncode == 0
+
+
+def test_doctor_advice_covers_platforms(monkeypatch):
+    import pinstage
+    from pinstage import _platform
+
+    monkeypatch.setattr(_platform, "wsl_info",
+                        lambda: _platform.WslInfo("5.15.1-microsoft-standard-WSL2", (5, 15, 1)))
+    monkeypatch.setattr(_platform, "in_container", lambda: True)
+    monkeypatch.setattr(_platform, "confidential_vm", lambda: "Intel TDX")
+    text = " ".join(cli._advice(pinstage.capabilities("cpu")))
+    assert "WSL" in text and "Container" in text and "Intel TDX" in text
+    assert "No accelerator" in text
+    from pinstage.testing import simulated_accelerator
+
+    with simulated_accelerator(pin_memory=False):
+        text = " ".join(cli._advice(pinstage.capabilities()))
+        assert "Pinned staging is off" in text and "UVA is off" in text
