@@ -48,6 +48,7 @@ class Backend:
 
     def __init__(self) -> None:
         self.stalls = 0  # host waits for unfinished device work inside pinstage calls
+        self.caps_cache: tuple[Any, Any] | None = None  # (environment key, Capabilities)
         self._arena: StagingArena | None = None
         self._arena_lock = threading.Lock()
 

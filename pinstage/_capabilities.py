@@ -7,7 +7,6 @@ Probes are the backend's (cached per device, run on first ask, never at import);
 from __future__ import annotations
 
 import os
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,20 +49,28 @@ def _policy(name: str) -> str:
     return value
 
 
-_CACHE: weakref.WeakKeyDictionary[Backend, tuple[tuple[Any, ...], Capabilities]] = \
-    weakref.WeakKeyDictionary()
+_ENV_NAMES = ("PINSTAGE_PIN_MEMORY", "PINSTAGE_UVA", "PINSTAGE_STAGING_LIMIT")
+_ENV_KEYS = tuple(os.fsencode(n) for n in _ENV_NAMES)
+
+
+def _env_key() -> tuple[Any, ...]:
+    """The policy variables as they are now. Copies call this every time, so it reads
+    CPython's own dict behind ``os.environ`` (kept in step by every ``os.environ`` change)
+    where there is one: ~0.1 us instead of ~1 us per variable."""
+    data = getattr(os.environ, "_data", None)
+    if type(data) is dict and os.name == "posix":
+        return (data.get(_ENV_KEYS[0]), data.get(_ENV_KEYS[1]), data.get(_ENV_KEYS[2]))
+    return tuple(os.environ.get(n) for n in _ENV_NAMES)
 
 
 def capabilities_for(backend: Backend) -> Capabilities:
     """Apply the environment policy to ``backend``'s probe (memoised per environment)."""
-    env = os.environ
-    key = (env.get("PINSTAGE_PIN_MEMORY"), env.get("PINSTAGE_UVA"),
-           env.get("PINSTAGE_STAGING_LIMIT"), backend.probe_key())
-    hit = _CACHE.get(backend)
+    key = (*_env_key(), backend.probe_key())
+    hit = backend.caps_cache
     if hit is not None and hit[0] == key:
-        return hit[1]
+        return hit[1]  # type: ignore[no-any-return]
     caps = _decide(backend)
-    _CACHE[backend] = (key, caps)
+    backend.caps_cache = (key, caps)
     return caps
 
 

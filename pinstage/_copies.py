@@ -354,7 +354,7 @@ def h2d_many(arrays: Sequence[Any], device: Any = None,
         try:
             for o, s in zip(offsets, srcs):
                 s.write_into(region.block.tensor, region.block.np, region.start + o)
-            backend.copy_h2d(dev, region.view[:total], "h2d_many", pinned=True)  # one copy
+            backend.copy_h2d(dev, region.tensor(total), "h2d_many", pinned=True)  # one copy
         finally:
             arena.release(region)
     elif pinned:  # larger than the whole staging cap: each input staged on its own

@@ -20,7 +20,6 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -44,7 +43,9 @@ class _Stats:
     """Process-wide counters of pinned host memory held by pinstage."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        # One re-entrant lock for the counters and every staging arena (arenas update the
+        # counters inside their own critical sections: one lock operation, not two).
+        self.lock = threading.RLock()
         self.reserved_bytes = 0
         self.in_use_bytes = 0
         self.peak_in_use_bytes = 0
@@ -61,15 +62,19 @@ class _Stats:
 
     def use(self, n: int, requested: int) -> None:
         with self.lock:
-            self.in_use_bytes += n
-            self.requested_bytes += requested
-            if self.in_use_bytes > self.peak_in_use_bytes:
-                self.peak_in_use_bytes = self.in_use_bytes
+            self.use_locked(n, requested)
 
     def unuse(self, n: int, requested: int) -> None:
         with self.lock:
             self.in_use_bytes -= n
             self.requested_bytes -= requested
+
+    def use_locked(self, n: int, requested: int) -> None:
+        """``use`` for callers already holding ``lock``."""
+        self.in_use_bytes += n
+        self.requested_bytes += requested
+        if self.in_use_bytes > self.peak_in_use_bytes:
+            self.peak_in_use_bytes = self.in_use_bytes
 
     def snapshot(self) -> dict[str, int]:
         with self.lock:
@@ -222,24 +227,28 @@ def staging_limit(default: int = DEFAULT_STAGING_LIMIT) -> int:
 # Staging arena
 
 
-@dataclass(eq=False)
 class Region:
-    """A slice of a staging block handed out to one call; ``view`` is its uint8 tensor."""
+    """Bytes ``start:end`` of a staging block, handed out to one call."""
 
-    block: _Block
-    start: int
-    end: int
-    requested: int
-    view: torch.Tensor
-    event: Any = None
-    released: bool = False
+    __slots__ = ("block", "start", "end", "requested", "event", "released", "fenced")
+
+    def __init__(self, block: _Block, start: int, end: int, requested: int) -> None:
+        self.block = block
+        self.start = start
+        self.end = end
+        self.requested = requested
+        self.event: Any = None  # recorded after the last device reader (see release)
+        self.released = False  # the caller has enqueued every device reader
+        self.fenced = False  # ``event`` covers those readers
 
     @property
     def nbytes(self) -> int:
         return self.end - self.start
 
-    def np(self) -> np.ndarray:
-        return self.block.np[self.start : self.start + self.requested]
+    def tensor(self, nbytes: int | None = None) -> torch.Tensor:
+        """The first ``nbytes`` (default: all requested) as a uint8 tensor."""
+        n = self.requested if nbytes is None else nbytes
+        return torch.from_numpy(self.block.np[self.start : self.start + n])
 
 
 class _Block:
@@ -284,7 +293,7 @@ class StagingArena:
         self.limit = int(limit)
         self.initial = min(int(initial), self.limit)
         self._blocks: list[_Block] = []  # retired blocks first, the current one last
-        self._lock = threading.RLock()
+        self._lock = STATS.lock
         self._unfenced: list[Region] = []  # released, no event recorded after them yet
         self._unfenced_bytes = 0
         self._unfenced_stream: Any = None
@@ -339,6 +348,7 @@ class StagingArena:
             event = self.backend.record_event()
             for r in self._unfenced:
                 r.event = event
+                r.fenced = True
             self._unfenced.clear()
             self._unfenced_bytes = 0
 
@@ -349,21 +359,22 @@ class StagingArena:
         start = block.try_alloc(n)
         if start is None:
             return None
-        region = Region(block, start, start + n, requested, block.tensor[start : start + n])
+        region = Region(block, start, start + n, requested)
         block.head = start + n
         block.live.append(region)
-        STATS.use(n, requested)
+        STATS.use_locked(n, requested)
         return region
 
     def _free(self, block: _Block) -> None:
         region = block.live.popleft()
-        STATS.unuse(region.nbytes, region.requested)
+        STATS.in_use_bytes -= region.nbytes  # under STATS.lock (the arena's lock)
+        STATS.requested_bytes -= region.requested
 
     def _reclaim(self) -> None:
         for block in list(self._blocks):
             while block.live:
                 r = block.live[0]
-                if r.event is None or not self.backend.event_done(r.event):
+                if not r.fenced or not self.backend.event_done(r.event):
                     break
                 self._free(block)
             if not block.live and block is not self._blocks[-1]:
@@ -392,10 +403,9 @@ class StagingArena:
                     raise RuntimeError(
                         "pinstage staging arena is full of regions still being filled; "
                         "raise PINSTAGE_STAGING_LIMIT")
-                if r.event is None:
+                if not r.fenced:
                     self._fence()
-                with STATS.lock:
-                    STATS.waits += 1
+                STATS.waits += 1
                 self.backend.wait_event(r.event)
                 return
         raise RuntimeError("pinstage staging arena cannot satisfy the request")  # unreachable
