@@ -108,13 +108,15 @@ class StagedWriteTensor:
         self._code = STRUCT_CODES.get(dtype)
         self._np_dtype = torch_to_numpy(dtype)
         self._packers: dict[int, struct.Struct] = {}
-        self.clear_staged_writes()
+        self._writes = array.array("q")  # flat offset, length of each staged write
+        self._chunks: list[bytes] = []  # their values, already in the target dtype
+        self.stage_write = self._fast_stage_write()  # type: ignore[method-assign]
 
     # -- staging -----------------------------------------------------------------------------
     def clear_staged_writes(self) -> None:
         """Drop every staged write."""
-        self._writes = array.array("q")  # flat offset, length of each write
-        self._chunks: list[bytes] = []  # values, already in the target dtype
+        del self._writes[:]
+        self._chunks.clear()
 
     @property
     def num_staged(self) -> int:
@@ -122,25 +124,10 @@ class StagedWriteTensor:
         return sum(self._writes[1::2])
 
     def stage_write(self, index: int, start: int, values: Any) -> None:
-        """Stage ``gpu[index, start:start+len(values)] = values``; checked now."""
-        # Fast path (the engine's hot loop): Python ints and a list of numbers. One cached
-        # struct packs and range-checks the values in C; anything else takes the general path,
-        # which explains what is wrong.
-        if type(index) is int and type(start) is int and type(values) is list:
-            n = len(values)
-            if 0 < n and 0 <= index < self.num_rows and 0 <= start and \
-                    start + n <= self.num_cols:
-                st = self._packers.get(n) or self._packer(n)
-                if st is not None:
-                    try:
-                        data = st.pack(*values)
-                    except (struct.error, OverflowError, TypeError):
-                        pass
-                    else:
-                        self._writes.append(index * self.num_cols + start)
-                        self._writes.append(n)
-                        self._chunks.append(data)
-                        return
+        """Stage ``gpu[index, start:start+len(values)] = values``; checked now.
+
+        (Instances answer this name with the closure made by ``_fast_stage_write``, which
+        handles the common case - Python ints and a list - and calls this for the rest.)"""
         row = _as_int(index, "index")
         col = _as_int(start, "start")
         data, n = self._encode(values)
@@ -149,13 +136,41 @@ class StagedWriteTensor:
                              f"the {self.shape} tensor")
         if n == 0:
             return
+        if self._code is not None and n not in self._packers:
+            self._packers[n] = packer(self._code, n)  # the fast path handles this size now
         self._record(row, col, n, data)
 
-    def _packer(self, n: int) -> struct.Struct | None:
-        if self._code is None:
-            return None
-        st = self._packers[n] = packer(self._code, n)
-        return st
+    def _fast_stage_write(self) -> Any:
+        """The engine's hot loop calls ``stage_write`` thousands of times per step, so the
+        common case runs in a closure over locals (no attribute lookups): one cached struct
+        packs and range-checks the values in C; anything else takes the general path, which
+        says what is wrong."""
+        rows, cols = self.num_rows, self.num_cols
+        packers = self._packers
+        add_write = self._writes.append
+        add_chunk = self._chunks.append
+        general = StagedWriteTensor.stage_write.__get__(self)
+        errors = (struct.error, OverflowError, TypeError)
+
+        def stage_write(index: int, start: int, values: Any) -> None:
+            if type(index) is int and type(start) is int and type(values) is list:
+                n = len(values)
+                if 0 < n and 0 <= index < rows and 0 <= start and start + n <= cols:
+                    st = packers.get(n)
+                    if st is not None:
+                        try:
+                            data = st.pack(*values)
+                        except errors:
+                            pass
+                        else:
+                            add_write(index * cols + start)
+                            add_write(n)
+                            add_chunk(data)
+                            return
+            general(index, start, values)
+
+        stage_write.__doc__ = StagedWriteTensor.stage_write.__doc__
+        return stage_write
 
     def stage_write_elem(self, index: int, value: Any) -> None:
         """Stage ``gpu[index] = value`` (1-D) or ``gpu[index, 0] = value`` (2-D)."""
@@ -253,7 +268,7 @@ class StagedWriteTensor:
         order; clears the staged list. At most one host-to-device copy for the batch."""
         if not self._writes:
             return
-        w = np.frombuffer(self._writes, dtype=np.int64).reshape(-1, 2)
+        w = np.frombuffer(self._writes.tobytes(), dtype=np.int64).reshape(-1, 2)
         starts, lens = w[:, 0], w[:, 1]
         length = int(lens[0])
         if bool((lens == length).all()):  # all writes the same length (block-table appends)

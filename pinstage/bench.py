@@ -3,12 +3,13 @@
 Every case runs pinstage and the straightforward PyTorch way of doing the same work in the same
 run: interleaved rounds (pinstage, baseline, pinstage, ...), the median time per call of each,
 and the spread (interquartile range over rounds). Both sides are checked to produce the same
-values before they are timed. On an accelerator the time is the host's time per call (what the
+values before they are timed; as with ``timeit``, garbage collection is off while timing. On an accelerator the time is the host's time per call (what the
 engine loop pays) unless a case says it measures bandwidth, which includes the transfer.
 """
 
 from __future__ import annotations
 
+import gc
 import platform
 import statistics
 import time
@@ -278,10 +279,17 @@ def cases_for(device: torch.device) -> list[Case]:
 
 
 def _time_calls(fn: Callable[[], Any], calls: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t0) / calls
+    """Seconds per call. Like ``timeit``, the garbage collector is off while timing (for both
+    sides), so a collection triggered by one side's garbage is not charged to the other."""
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - t0) / calls
+    finally:
+        gc.enable()
 
 
 def run_case(case: Case, device: torch.device, rounds: int) -> dict[str, Any]:
@@ -341,7 +349,9 @@ def simulator_checks() -> dict[str, Any]:
     with simulated_accelerator("random", seed=0) as sim:
         # 50 engine steps; like a real engine, step k+1 starts once step k's outputs were read
         # (the device is then at most one step behind). Any host wait inside pinstage counts.
-        swt = pinstage.StagedWriteTensor((256, 64), torch.int32, sim.device)
+        # Pool depth 3: a hand-out's fence is recorded at the next hand-out, so with the device
+        # a step behind, two slots would sometimes wait for the step in flight.
+        swt = pinstage.StagedWriteTensor((256, 64), torch.int32, sim.device, max_concurrency=3)
         reserved0 = prev = 0
         for step in range(50):
             if step == 3:  # after the first steps have sized the arena and every pool slot
