@@ -30,6 +30,9 @@ __all__ = ["async_tensor_h2d", "h2d_many", "np_to_pinned_tensor", "synchronize",
 CHUNK_BYTES = 8 * 2**20
 
 _NUMERIC_KINDS = "biufc"
+_NATIVE = frozenset(np.dtype(t) for t in (np.bool_, np.int8, np.uint8, np.int16, np.int32,
+                                          np.int64, np.float16, np.float32, np.float64,
+                                          np.complex64, np.complex128))
 
 
 def _int_bounds(dtype: torch.dtype) -> tuple[int, int] | None:
@@ -307,6 +310,13 @@ def async_tensor_h2d(data: Any, device: Any = None, dtype: torch.dtype | None = 
     if dtype is None and isinstance(out, torch.Tensor):
         dtype = out.dtype
     backend = get_backend(device)
+    if out is None and dtype is None and not backend.accelerator:
+        # CPU target, nothing to convert: a plain copy is all there is to do.
+        if type(data) is np.ndarray and data.dtype.isnative and data.dtype in _NATIVE:
+            return torch.from_numpy(data.copy())
+        if type(data) is torch.Tensor and data.device.type == "cpu" and \
+                data.layout == torch.strided:
+            return data.clone(memory_format=torch.contiguous_format)
     src = HostSource(data, dtype, backend)
     if out is not None:
         _check_out(out, backend, src.shape, src.dtype)
@@ -327,6 +337,14 @@ def _views(base: torch.Tensor, srcs: list[HostSource],
     return tuple(outs)
 
 
+def _host_copy(data: Any, backend: Backend, i: int) -> torch.Tensor:
+    """A new host tensor equal to ``data`` (the CPU target's h2d_many). Native-endian numeric
+    arrays take a short path: one NumPy copy, no normalisation."""
+    if type(data) is np.ndarray and data.dtype.isnative and data.dtype in _NATIVE:
+        return torch.from_numpy(data.copy())
+    return HostSource(data, None, backend, what=f"arrays[{i}]").host_tensor()
+
+
 def h2d_many(arrays: Sequence[Any], device: Any = None,
              dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
     """Upload several lists/arrays/CPU tensors in one host-to-device transfer; returns one
@@ -334,6 +352,8 @@ def h2d_many(arrays: Sequence[Any], device: Any = None,
     if not isinstance(arrays, (list, tuple)):
         raise TypeError(f"arrays must be a list or tuple of inputs, got {describe(arrays)}")
     backend = get_backend(device)
+    if not backend.accelerator and dtype is None:  # CPU target: a finished copy of each
+        return tuple(_host_copy(a, backend, i) for i, a in enumerate(arrays))
     srcs = [HostSource(a, dtype, backend, what=f"arrays[{i}]") for i, a in enumerate(arrays)]
     if not srcs:
         return ()

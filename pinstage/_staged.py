@@ -108,6 +108,7 @@ class StagedWriteTensor:
         self._code = STRUCT_CODES.get(dtype)
         self._np_dtype = torch_to_numpy(dtype)
         self._packers: dict[int, struct.Struct] = {}
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self._writes = array.array("q")  # flat offset, length of each staged write
         self._chunks: list[bytes] = []  # their values, already in the target dtype
         self.stage_write = self._fast_stage_write()  # type: ignore[method-assign]
@@ -290,12 +291,17 @@ class StagedWriteTensor:
         nbytes = voff + vbytes
         meta = self._meta
         slot = meta._take(nbytes)  # fenced: waits only if the device still reads this slot
-        mem = slot.cpu.numpy()
+        mem = slot.np
         mem[: n * 8].view(np.int64)[:] = idx  # host write into pinned metadata
         mem[voff:nbytes].view(vals.dtype)[:] = vals
         dev = slot.uva(nbytes)  # UVA view, or one host -> device copy without UVA
-        d_idx = dev[: n * 8].view(torch.int64)
-        d_vals = dev[voff:nbytes].view(self.dtype)
+        views = self._views.get((id(dev), n))
+        if views is None or views[0] is not dev:  # typed views, reused while sizes repeat
+            if len(self._views) >= 64:
+                self._views.clear()
+            views = (dev, dev[: n * 8].view(torch.int64), dev[voff:nbytes].view(self.dtype))
+            self._views[(id(dev), n)] = views
+        _, d_idx, d_vals = views
         self._backend.launch(_scatter, self._flat, d_idx, d_vals, writes=(self._flat,),
                              label="StagedWriteTensor.apply_write")
         self.clear_staged_writes()
