@@ -14,7 +14,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,7 +36,8 @@ class Case:
     gpu_only: bool = False
     bandwidth_bytes: int = 0  # > 0: report GB/s and time including the transfer
     calls_per_round: int = 50
-    extra: dict[str, Any] = field(default_factory=dict)
+    # more ways of doing the same work, timed in the same rounds and reported as NAME_us
+    also: Callable[[torch.device], dict[str, Callable[[], Any]]] | None = None
 
 
 def best_target() -> torch.device:
@@ -169,6 +170,11 @@ def _h2d_many(device: torch.device):  # type: ignore[no-untyped-def]
     return ours, base, check
 
 
+def _separate_calls(device: torch.device) -> Callable[[], Any]:
+    arrays = [np.arange(64, dtype=np.int32) + i for i in range(8)]
+    return lambda: [pinstage.async_tensor_h2d(a, device) for a in arrays]
+
+
 def _buffer_round_trip(device: torch.device):  # type: ignore[no-untyped-def]
     buf = pinstage.CpuGpuBuffer(1024, dtype=torch.int32, device=device)
     host = np.arange(1024, dtype=np.int32)
@@ -259,7 +265,8 @@ CASES = [
          _staged_writes, calls_per_round=5),
     Case("engine_step_256", "3 per-request uploads + 256 block-table appends",
          _engine_step, calls_per_round=5),
-    Case("h2d_many_8", "8 small arrays in one call (one transfer)", _h2d_many),
+    Case("h2d_many_8", "8 small arrays in one call (one transfer)", _h2d_many,
+         also=lambda device: {"separate_async_tensor_h2d": _separate_calls(device)}),
     Case("cpugpubuffer_round_trip", "CpuGpuBuffer 512 rows to device and back",
          _buffer_round_trip),
     Case("small_copy_1k", "1 KiB upload vs a bare pinned copy_ (overhead)", _small_latency,
@@ -301,10 +308,14 @@ def run_case(case: Case, device: torch.device, rounds: int) -> dict[str, Any]:
         _time_calls(ours, calls)
         _time_calls(base, calls)
     _sync(device)
+    others = case.also(device) if case.also is not None else {}
     t_ours, t_base = [], []
+    t_other: dict[str, list[float]] = {k: [] for k in others}
     for _ in range(rounds):  # interleaved
         t_ours.append(_time_calls(ours, calls))
         t_base.append(_time_calls(base, calls))
+        for k, fn in others.items():
+            t_other[k].append(_time_calls(fn, calls))
         _sync(device)  # keep queues short; outside the timed calls
     p, b = statistics.median(t_ours), statistics.median(t_base)
     result: dict[str, Any] = {
@@ -313,6 +324,8 @@ def run_case(case: Case, device: torch.device, rounds: int) -> dict[str, Any]:
         "pinstage_spread_us": _iqr(t_ours) * 1e6, "baseline_spread_us": _iqr(t_base) * 1e6,
         "rounds": rounds, "calls_per_round": calls,
     }
+    for k, ts in t_other.items():
+        result[f"{k}_us"] = statistics.median(ts) * 1e6
     if case.bandwidth_bytes:
         result["pinstage_gbps"] = case.bandwidth_bytes / p / 1e9
         result["baseline_gbps"] = case.bandwidth_bytes / b / 1e9
