@@ -287,8 +287,9 @@ def cases_for(device: torch.device) -> list[Case]:
 
 def _time_calls(fn: Callable[[], Any], calls: int) -> float:
     """Seconds per call. Like ``timeit``, the garbage collector is off while timing (for both
-    sides), so a collection triggered by one side's garbage is not charged to the other."""
-    gc.collect()
+    sides), so a collection triggered by one side's garbage is not charged to the other. (No
+    ``gc.collect()`` before: it hands pymalloc arenas back to the OS, and the next round then
+    pays page faults.)"""
     gc.disable()
     try:
         t0 = time.perf_counter()
