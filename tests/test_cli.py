@@ -104,3 +104,17 @@ def test_doctor_advice_covers_platforms(monkeypatch):
     with simulated_accelerator(pin_memory=False):
         text = " ".join(cli._advice(pinstage.capabilities()))
         assert "Pinned staging is off" in text and "UVA is off" in text
+
+
+@pytest.mark.parametrize("args", [[], ["--simulate"]])
+def test_example_engine_step_runs(args):
+    import os
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(here, "examples", "engine_step.py"),
+                           *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    if args:
+        assert "'copies': 10" in proc.stdout and "'host_stalls': 0" in proc.stdout
+    else:
+        assert "no hidden syncs" in proc.stdout
