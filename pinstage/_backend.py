@@ -56,10 +56,6 @@ class Backend:
     def probe(self) -> Probe:
         raise NotImplementedError
 
-    def probe_key(self) -> Any:
-        """Changes whenever ``probe()`` may answer differently (for memoised capabilities)."""
-        return None
-
     # -- memory ------------------------------------------------------------------------------
     def alloc_pinned(self, nbytes: int, *, in_use: bool = True) -> torch.Tensor:
         """A zero-filled uint8 host tensor of exactly ``nbytes``, pinned for this device."""

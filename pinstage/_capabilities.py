@@ -65,7 +65,7 @@ def _env_key() -> tuple[Any, ...]:
 
 def capabilities_for(backend: Backend) -> Capabilities:
     """Apply the environment policy to ``backend``'s probe (memoised per environment)."""
-    key = (*_env_key(), backend.probe_key())
+    key = _env_key()  # probes are fixed per backend; only the policy can change
     hit = backend.caps_cache
     if hit is not None and hit[0] == key:
         return hit[1]  # type: ignore[no-any-return]

@@ -303,11 +303,6 @@ class StagingArena:
     def reserved(self) -> int:
         return sum(b.size for b in self._blocks)
 
-    @property
-    def max_request(self) -> int:
-        """The largest single region this arena can ever hand out."""
-        return self.limit
-
     def alloc(self, nbytes: int) -> Region:
         n = align_up(max(int(nbytes), 1))
         if n > self.limit:
