@@ -109,6 +109,14 @@ class _Prefixes:
         return hit
 
 
+def _raw(t: torch.Tensor) -> tuple[torch.Tensor, np.ndarray] | None:
+    """``t``'s bytes as a uint8 tensor and NumPy array (for fast host writes), if any."""
+    if t.numel() == 0:
+        return None
+    raw = t.view(-1).view(torch.uint8)
+    return raw, raw.numpy()
+
+
 def _numpy(t: torch.Tensor) -> np.ndarray | None:
     return t.numpy() if torch_to_numpy(t.dtype) is not None else None
 
@@ -174,6 +182,7 @@ class UvaBuffer:
         self.device = backend.device
         self.cpu = _host(backend, shape, dtype, backend.accelerator)
         self.np = _numpy(self.cpu)
+        self._bytes = _raw(self.cpu)
         self._view = backend.uva_view(self.cpu)
         self._prefix = _Prefixes(self._view)
 
@@ -195,6 +204,7 @@ class NonUvaBuffer:
         self.device = backend.device
         self.cpu = _host(backend, shape, dtype, caps.pin_memory)
         self.np = _numpy(self.cpu)
+        self._bytes = _raw(self.cpu)
         self._dev = backend.empty(shape, dtype) if backend.accelerator else \
             torch.empty(shape, dtype=dtype)
         self._prefix = _Prefixes(self.cpu, self._dev)
@@ -265,9 +275,8 @@ class UvaBufferPool:
     def _fill(self, src: HostSource) -> tuple[UvaBuffer | NonUvaBuffer, int]:
         rows = src.shape[0]
         slot = self._take(rows)
-        mem = slot.cpu.view(-1).view(torch.uint8) if slot.cpu.numel() else None
-        if mem is not None and src.nbytes:
-            src.write_into(mem, mem.numpy(), 0)  # host write into the fenced slot
+        if slot._bytes is not None and src.nbytes:
+            src.write_into(*slot._bytes, 0)  # host write into the fenced slot
         return slot, rows
 
     def copy_to_uva(self, x: Any) -> torch.Tensor:
@@ -293,7 +302,8 @@ class UvaBufferPool:
         if isinstance(slot, UvaBuffer):
             backend.copy_d2d(dst, slot.uva(rows), "UvaBufferPool.copy_to_gpu")  # UVA -> device
         else:
-            backend.copy_h2d(dst, slot.cpu[:rows], "UvaBufferPool.copy_to_gpu")  # host -> dev
+            host = slot._prefix.get(rows)[0]  # slot.cpu[:rows]
+            backend.copy_h2d(dst, host, "UvaBufferPool.copy_to_gpu")  # host -> device
         return dst
 
 

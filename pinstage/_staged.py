@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import array
 import struct
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -291,7 +291,7 @@ class StagedWriteTensor:
         nbytes = voff + vbytes
         meta = self._meta
         slot = meta._take(nbytes)  # fenced: waits only if the device still reads this slot
-        mem = slot.np
+        mem = cast(np.ndarray, slot.np)  # a uint8 slot always has a NumPy view
         mem[: n * 8].view(np.int64)[:] = idx  # host write into pinned metadata
         mem[voff:nbytes].view(vals.dtype)[:] = vals
         dev = slot.uva(nbytes)  # UVA view, or one host -> device copy without UVA
