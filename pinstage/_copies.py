@@ -337,12 +337,13 @@ def _views(base: torch.Tensor, srcs: list[HostSource],
     return tuple(outs)
 
 
-def _host_copy(data: Any, backend: Backend, i: int) -> torch.Tensor:
+def _host_copy(data: Any, backend: Backend, i: int, dtype: torch.dtype | None) -> torch.Tensor:
     """A new host tensor equal to ``data`` (the CPU target's h2d_many). Native-endian numeric
-    arrays take a short path: one NumPy copy, no normalisation."""
-    if type(data) is np.ndarray and data.dtype.isnative and data.dtype in _NATIVE:
+    arrays with nothing to convert take a short path: one NumPy copy, no normalisation."""
+    if dtype is None and type(data) is np.ndarray and data.dtype.isnative and \
+            data.dtype in _NATIVE:
         return torch.from_numpy(data.copy())
-    return HostSource(data, None, backend, what=f"arrays[{i}]").host_tensor()
+    return HostSource(data, dtype, backend, what=f"arrays[{i}]").host_tensor()
 
 
 def h2d_many(arrays: Sequence[Any], device: Any = None,
@@ -352,8 +353,8 @@ def h2d_many(arrays: Sequence[Any], device: Any = None,
     if not isinstance(arrays, (list, tuple)):
         raise TypeError(f"arrays must be a list or tuple of inputs, got {describe(arrays)}")
     backend = get_backend(device)
-    if not backend.accelerator and dtype is None:  # CPU target: a finished copy of each
-        return tuple(_host_copy(a, backend, i) for i, a in enumerate(arrays))
+    if not backend.accelerator:  # CPU target: nothing to batch, a finished copy of each
+        return tuple(_host_copy(a, backend, i, dtype) for i, a in enumerate(arrays))
     srcs = [HostSource(a, dtype, backend, what=f"arrays[{i}]") for i, a in enumerate(arrays)]
     if not srcs:
         return ()
@@ -363,8 +364,6 @@ def h2d_many(arrays: Sequence[Any], device: Any = None,
         offsets.append(total)
         total += align_up(s.nbytes)
     total = max(total, ALIGN)
-    if not backend.accelerator:  # CPU target: nothing to batch, a finished copy of each
-        return tuple(s.host_tensor() for s in srcs)
     dev = backend.empty((total,), torch.uint8)
     outs = _views(dev, srcs, offsets)
     pinned = capabilities_for(backend).pin_memory
