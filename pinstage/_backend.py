@@ -236,9 +236,25 @@ def resolve_device(device: Any = None) -> torch.device:
         dev = torch.device(device)
     except RuntimeError as exc:
         raise ValueError(f"device {device!r} is not a device: {exc}") from None
-    if dev.type == "cuda" and dev.index is None:
-        dev = _cuda_module().current_device()
+    if dev.type == "cuda":
+        cuda = _cuda_module()
+        if not cuda.available():
+            raise RuntimeError(f"device {device!r} was asked for, but CUDA is not available in "
+                               "this process (CPU-only build of torch, or no GPU visible)")
+        if dev.index is None:
+            dev = cuda.current_device()
+    elif dev.type not in ("cpu", "meta") and not _available(dev):
+        raise RuntimeError(f"device {device!r} was asked for, but torch reports no "
+                           f"{dev.type} device in this process")
     return dev
+
+
+def _available(dev: torch.device) -> bool:
+    """Whether torch has a usable device of ``dev``'s type (xpu, mps, ...)."""
+    if dev.type == "mps":
+        return bool(torch.backends.mps.is_available())
+    check = getattr(getattr(torch, dev.type, None), "is_available", None)
+    return bool(check()) if callable(check) else True
 
 
 _RESOLVED: dict[Any, Backend] = {}  # device argument -> backend, when no simulator is active

@@ -98,3 +98,13 @@ def test_bad_device():
 def test_meta_device_is_an_accelerator_without_pinning():
     caps = pinstage.capabilities("meta")
     assert caps.accelerator and not caps.pin_memory and not caps.uva
+
+
+def test_unavailable_devices_are_refused_clearly():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    for dev in ("cuda", "cuda:0"):
+        with pytest.raises(RuntimeError, match="CUDA is not available"):
+            pinstage.capabilities(dev)
+        with pytest.raises(RuntimeError):
+            pinstage.async_tensor_h2d([1], dev)
