@@ -1,0 +1,143 @@
+"""The CUDA backend's host-side logic, on a CPU-only machine, with the driver calls faked.
+
+What needs a real device (copies, events, UVA views) is in test_gpu.py; these tests check
+what pinstage itself decides and asks of the driver: exact-size registration with the right
+flags, unregistration when the memory dies, the WSL rule, and the probe's fail-closed paths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+
+import pytest
+import torch
+
+import pinstage
+from pinstage import _cuda
+
+
+class FakeCudart:
+    def __init__(self, fail: bool = False) -> None:
+        self.registered: dict[int, tuple[int, int]] = {}
+        self.unregistered: list[int] = []
+        self.fail = fail
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802
+        if self.fail:
+            return 2  # cudaErrorMemoryAllocation
+        self.registered[ptr] = (size, flags)
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        self.unregistered.append(ptr)
+        return 0
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    rt = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "Fake GPU")
+    return rt
+
+
+def test_pinned_memory_is_registered_exactly_and_released(fake_cuda):
+    backend = _cuda.CudaBackend(0)
+    before = pinstage.host_memory_stats()["reserved_bytes"]
+    t = backend.alloc_pinned(3 * 4096 + 5)
+    assert t.dtype == torch.uint8 and t.numel() == 3 * 4096 + 5
+    (ptr, (size, flags)), = fake_cuda.registered.items()
+    assert ptr == t.data_ptr() and ptr % 4096 == 0
+    assert size == 4 * 4096  # exact size, page-rounded: never a power of two
+    assert flags == 0x01 | 0x02  # portable | mapped (UVA needs mapped)
+    assert pinstage.host_memory_stats()["reserved_bytes"] - before == 4 * 4096
+    view = t[10:20]
+    del t
+    gc.collect()
+    assert fake_cuda.unregistered == []  # a view keeps the registration alive
+    del view
+    gc.collect()
+    assert fake_cuda.unregistered == [ptr]
+    assert pinstage.host_memory_stats()["reserved_bytes"] == before
+
+
+def test_failed_registration_raises_and_leaks_nothing(monkeypatch, fake_cuda):
+    fake_cuda.fail = True
+    before = pinstage.host_memory_stats()["reserved_bytes"]
+    with pytest.raises(RuntimeError, match="cudaHostRegister"):
+        _cuda.CudaBackend(0).alloc_pinned(4096)
+    assert pinstage.host_memory_stats()["reserved_bytes"] == before
+
+
+def test_probe_fails_closed_when_pinning_fails(fake_cuda):
+    fake_cuda.fail = True
+    probe = _cuda.CudaBackend(0).probe()
+    assert probe.accelerator and not probe.can_pin and not probe.uva
+    assert any("pinned host memory unavailable" in r for r in probe.reasons)
+
+
+def test_probe_turns_uva_off_when_mapping_fails(monkeypatch, fake_cuda):
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a, **k: True)
+
+    def no_runtime():
+        raise OSError("cannot find the libcudart runtime library")
+
+    monkeypatch.setattr(_cuda, "_get_runtime", no_runtime)
+    probe = _cuda.CudaBackend(0).probe()
+    assert probe.can_pin and not probe.uva
+    assert any("UVA off" in r and "libcudart" in r for r in probe.reasons)
+
+
+def test_old_wsl_kernel_turns_pinning_off(monkeypatch, fake_cuda):
+    from pinstage import _platform
+
+    monkeypatch.setattr(_cuda, "wsl_info", lambda: _platform.wsl_info("4.19.104-microsoft"))
+    probe = _cuda.CudaBackend(0).probe()
+    assert not probe.can_pin and any("WSL" in r for r in probe.reasons)
+    assert fake_cuda.registered == {}  # it did not even try (a failed pin can be sticky)
+
+
+def test_new_wsl_kernel_caps_the_staging_arena(monkeypatch, fake_cuda):
+    from pinstage import _platform
+
+    monkeypatch.setattr(_cuda, "wsl_info",
+                        lambda: _platform.wsl_info("5.15.153.1-microsoft-standard-WSL2"))
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a, **k: True)
+    monkeypatch.setattr(_cuda.CudaBackend, "_coherence_probe", lambda self, buf: True)
+    probe = _cuda.CudaBackend(0).probe()
+    assert probe.can_pin and probe.uva
+    assert probe.staging_limit == 64 * 2**20
+
+
+def test_device_pointer_errors_are_runtime_errors(monkeypatch):
+    def get_pointer(out, ptr, flags):
+        return 1  # cudaErrorInvalidValue
+
+    class FakeLib:
+        cudaHostGetDevicePointer = staticmethod(get_pointer)  # noqa: N815
+
+    monkeypatch.setattr(_cuda._Runtime, "_load", lambda self: FakeLib())
+    rt = _cuda._Runtime()
+    with pytest.raises(RuntimeError, match="cudaHostGetDevicePointer failed"):
+        rt.device_pointer(0x1000)
+
+
+def test_copies_pick_async_only_from_pinned_contiguous(monkeypatch):
+    calls = []
+
+    class Dst:
+        def copy_(self, src, non_blocking=False):
+            calls.append(non_blocking)
+
+    backend = _cuda.CudaBackend(0)
+    src = torch.arange(8)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a, **k: False)
+    backend.copy_h2d(Dst(), src)  # pageable: blocking
+    backend.copy_h2d(Dst(), src, pinned=True)  # staging memory: async
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a, **k: True)
+    backend.copy_h2d(Dst(), src[::2])  # pinned but strided: blocking
+    backend.copy_h2d(Dst(), src)  # pinned, contiguous: async
+    assert calls == [False, True, False, True]
