@@ -24,6 +24,18 @@ def _reset_global_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     _buffers._DEFAULT_MAX_CONCURRENCY = saved
 
 
+@pytest.fixture
+def quiet_gc() -> Iterator[None]:
+    """The process-wide pinned-memory counters move when garbage from earlier tests is
+    collected: collect it first, and keep the collector off while a test compares them."""
+    import gc
+
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
+
+
 @pytest.fixture(params=TARGET_IDS)
 def target(request: pytest.FixtureRequest) -> Iterator[Target]:
     with make_target(request.param) as t:

@@ -35,7 +35,7 @@ class FakeCudart:
 
 
 @pytest.fixture
-def fake_cuda(monkeypatch):
+def fake_cuda(monkeypatch, quiet_gc):
     rt = FakeCudart()
     monkeypatch.setattr(torch.cuda, "init", lambda: None)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)

@@ -111,10 +111,7 @@ def test_pool_reuse_is_fenced_on_a_real_stream(dev):
         assert bool((o == step).all()), step
 
 
-def test_pinned_memory_is_exact_size(dev):
-    import gc
-
-    gc.collect()
+def test_pinned_memory_is_exact_size(dev, quiet_gc):
     before = pinstage.host_memory_stats()["reserved_bytes"]
     buf = pinstage.CpuGpuBuffer(3 * 2**20 + 5, dtype=torch.uint8, device=dev)
     grown = pinstage.host_memory_stats()["reserved_bytes"] - before

@@ -25,8 +25,7 @@ def test_parse_size():
         parse_size(1.5)  # type: ignore[arg-type]
 
 
-def test_exact_size_accounting_for_buffers():
-    gc.collect()
+def test_exact_size_accounting_for_buffers(quiet_gc):
     with simulated_accelerator() as sim:
         before = pinstage.host_memory_stats()
         buf = pinstage.CpuGpuBuffer(1000, dtype=torch.int32, device=sim.device)
@@ -126,7 +125,7 @@ def test_hazard_error_is_runtime_error():
 
 
 @pytest.mark.parametrize("mode", ["eager", "random"])
-def test_steady_state_allocates_no_pinned_memory(mode):
+def test_steady_state_allocates_no_pinned_memory(mode, quiet_gc):
     """After warm-up, engine-like steps reuse the arena and the pools: nothing new is pinned."""
     with simulated_accelerator(mode, seed=4) as sim:
         swt = pinstage.StagedWriteTensor((64, 32), torch.int32, sim.device)
