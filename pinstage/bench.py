@@ -22,6 +22,8 @@ import torch
 
 import pinstage
 
+from ._backend import get_backend
+
 __all__ = ["Case", "run_suite", "cases_for", "best_target"]
 
 
@@ -310,6 +312,8 @@ def run_case(case: Case, device: torch.device, rounds: int) -> dict[str, Any]:
         _time_calls(base, calls)
     _sync(device)
     others = case.also(device) if case.also is not None else {}
+    backend = get_backend(device)
+    stalls0 = backend.stalls
     t_ours, t_base = [], []
     t_other: dict[str, list[float]] = {k: [] for k in others}
     for _ in range(rounds):  # interleaved
@@ -324,6 +328,8 @@ def run_case(case: Case, device: torch.device, rounds: int) -> dict[str, Any]:
         "pinstage_us": p * 1e6, "baseline_us": b * 1e6, "speedup": b / p,
         "pinstage_spread_us": _iqr(t_ours) * 1e6, "baseline_spread_us": _iqr(t_base) * 1e6,
         "rounds": rounds, "calls_per_round": calls,
+        # host waits for unfinished device work inside pinstage calls, in the timed rounds
+        "pinstage_host_stalls": backend.stalls - stalls0,
     }
     for k, ts in t_other.items():
         result[f"{k}_us"] = statistics.median(ts) * 1e6
