@@ -2,9 +2,10 @@
 
 Layers, RMM style, each small enough to test alone:
 
-* :class:`HostRegion` - one page-aligned host allocation of exactly the size asked (rounded to
-  the page), made with ``mmap``; a backend may pin it (``cudaHostRegister``) through callbacks.
-  Tensors made from it keep it alive; when the last one dies it is unpinned and unmapped.
+* :class:`HostRegion` - one host allocation of exactly the size asked: its own page-aligned
+  ``mmap`` (rounded to the page) for memory a backend pins (``cudaHostRegister``) through
+  callbacks, or 64-byte aligned memory for the simulator. Tensors made from it keep it alive;
+  when the last one dies it is unpinned and released.
 * :data:`STATS` - what pinstage holds (``host_memory_stats()``).
 * :class:`StagingArena` - a ring of bump-allocated staging regions over pinned blocks. A region
   is reused only after an event recorded after its last device reader has completed.
