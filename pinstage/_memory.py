@@ -310,14 +310,13 @@ class StagingArena:
             raise ValueError(f"staging request of {nbytes} bytes exceeds the staging limit "
                              f"of {self.limit} bytes; stage it in pieces")
         with self._lock:
-            while True:
-                self._reclaim()
+            region = self._try_alloc(n, nbytes)  # common case: room ahead in the ring
+            while region is None:
+                self._reclaim()  # take back what the device has finished reading
                 region = self._try_alloc(n, nbytes)
-                if region is not None:
-                    return region
-                if self._grow(n):
-                    continue
-                self._wait_oldest()
+                if region is None and not self._grow(n):
+                    self._wait_oldest()
+            return region
 
     def release(self, region: Region) -> None:
         """Mark ``region`` reusable once the device work enqueued so far has completed.
