@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,7 +36,6 @@ class Probe:
     uva: bool
     reasons: tuple[str, ...] = ()
     staging_limit: int | None = None  # a platform-imposed default cap (e.g. WSL)
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Backend:
@@ -123,7 +122,7 @@ class Backend:
         if self._arena is None:
             with self._arena_lock:
                 if self._arena is None:
-                    limit = staging_limit(self.probe().staging_limit or staging_limit())
+                    limit = staging_limit(self.probe().staging_limit)
                     self._arena = StagingArena(self, limit)
         return self._arena
 

@@ -239,10 +239,6 @@ class UvaBufferPool:
         self._curr = -1
         self._last: int | None = None
 
-    @property
-    def uses_uva(self) -> bool:
-        return self.caps.uva
-
     def _new_slot(self, shape: tuple[int, ...]) -> UvaBuffer | NonUvaBuffer:
         cls = UvaBuffer if self.caps.uva else NonUvaBuffer
         return cls(shape, self.dtype, self.device)

@@ -120,7 +120,7 @@ def _decide(backend: Backend) -> Capabilities:
         reasons.append("PINSTAGE_UVA=1 in the environment")
     elif probe.uva and not pin:
         reasons.append("UVA off: it needs pinned memory, which is off")
-    limit = staging_limit(probe.staging_limit or staging_limit()) if pin else None
+    limit = staging_limit(probe.staging_limit) if pin else None
     return Capabilities(backend.device, True, probe.can_pin, pin, uva, tuple(reasons),
                         backend.name, limit)
 

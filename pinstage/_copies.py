@@ -56,7 +56,7 @@ class HostSource:
         self.tensor: torch.Tensor | None = None
         self.array: np.ndarray | None = None
         self.packed: bytes | None = None
-        if dtype is not None and not isinstance(dtype, torch.dtype):
+        if dtype is not None:
             check_dtype(dtype)
         if isinstance(data, list) or isinstance(data, tuple):
             self._from_list(data, dtype, what)
@@ -311,12 +311,9 @@ def async_tensor_h2d(data: Any, device: Any = None, dtype: torch.dtype | None = 
         dtype = out.dtype
     backend = get_backend(device)
     if out is None and dtype is None and not backend.accelerator:
-        # CPU target, nothing to convert: a plain copy is all there is to do.
-        if type(data) is np.ndarray and data.dtype.isnative and data.dtype in _NATIVE:
-            return torch.from_numpy(data.copy())
-        if type(data) is torch.Tensor and data.device.type == "cpu" and \
-                data.layout == torch.strided:
-            return data.clone(memory_format=torch.contiguous_format)
+        plain = _plain_copy(data)
+        if plain is not None:
+            return plain
     src = HostSource(data, dtype, backend)
     if out is not None:
         _check_out(out, backend, src.shape, src.dtype)
@@ -337,12 +334,23 @@ def _views(base: torch.Tensor, srcs: list[HostSource],
     return tuple(outs)
 
 
-def _host_copy(data: Any, backend: Backend, i: int, dtype: torch.dtype | None) -> torch.Tensor:
-    """A new host tensor equal to ``data`` (the CPU target's h2d_many). Native-endian numeric
-    arrays with nothing to convert take a short path: one NumPy copy, no normalisation."""
-    if dtype is None and type(data) is np.ndarray and data.dtype.isnative and \
-            data.dtype in _NATIVE:
+def _plain_copy(data: Any) -> torch.Tensor | None:
+    """On the CPU target with nothing to convert, a plain host copy is all the work there is:
+    a native-endian numeric array or a dense CPU tensor, copied once with no normalisation.
+    ``None`` for anything else (it takes the general path, which checks it)."""
+    if type(data) is np.ndarray and data.dtype.isnative and data.dtype in _NATIVE:
         return torch.from_numpy(data.copy())
+    if type(data) is torch.Tensor and data.device.type == "cpu" and \
+            data.layout == torch.strided:
+        return data.clone(memory_format=torch.contiguous_format)
+    return None
+
+
+def _host_copy(data: Any, backend: Backend, i: int, dtype: torch.dtype | None) -> torch.Tensor:
+    """A new host tensor equal to ``data`` (the CPU target's h2d_many)."""
+    plain = _plain_copy(data) if dtype is None else None
+    if plain is not None:
+        return plain
     return HostSource(data, dtype, backend, what=f"arrays[{i}]").host_tensor()
 
 

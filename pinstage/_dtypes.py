@@ -41,8 +41,8 @@ def torch_to_numpy(dtype: torch.dtype) -> np.dtype | None:
 
 
 def numpy_to_torch(dtype: np.dtype) -> torch.dtype | None:
-    return _N2T.get(np.dtype(dtype).newbyteorder("=") if dtype.byteorder not in "=|" else
-                    np.dtype(dtype))
+    """The torch dtype holding the same values (byte order aside), or ``None``."""
+    return _N2T.get(dtype if dtype.isnative else dtype.newbyteorder("="))
 
 
 @lru_cache(maxsize=512)

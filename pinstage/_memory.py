@@ -216,11 +216,12 @@ def parse_size(value: int | str, what: str = "size") -> int:
 DEFAULT_STAGING_LIMIT = 256 * 2**20
 
 
-def staging_limit(default: int = DEFAULT_STAGING_LIMIT) -> int:
-    """The staging cap: ``PINSTAGE_STAGING_LIMIT`` if set, else ``default``."""
+def staging_limit(default: int | None = None) -> int:
+    """The staging cap: ``PINSTAGE_STAGING_LIMIT`` if set, else ``default`` (a platform's cap,
+    such as WSL's), else 256 MiB."""
     raw = os.environ.get("PINSTAGE_STAGING_LIMIT")
     if raw is None or raw.strip() == "":
-        return default
+        return default or DEFAULT_STAGING_LIMIT
     return parse_size(raw, "PINSTAGE_STAGING_LIMIT")
 
 

@@ -3,8 +3,9 @@
 Every case runs pinstage and the straightforward PyTorch way of doing the same work in the same
 run: interleaved rounds (pinstage, baseline, pinstage, ...), the median time per call of each,
 and the spread (interquartile range over rounds). Both sides are checked to produce the same
-values before they are timed; as with ``timeit``, garbage collection is off while timing. On an accelerator the time is the host's time per call (what the
-engine loop pays) unless a case says it measures bandwidth, which includes the transfer.
+values before they are timed; as with ``timeit``, garbage collection is off while timing. On
+an accelerator the time is the host's time per call (what the engine loop pays) unless a case
+says it measures bandwidth, which includes the transfer.
 """
 
 from __future__ import annotations
@@ -156,8 +157,12 @@ def _engine_step(device: torch.device):  # type: ignore[no-untyped-def]
     return ours, base, check
 
 
+def _eight_arrays() -> list[np.ndarray]:
+    return [np.arange(64, dtype=np.int32) + i for i in range(8)]
+
+
 def _h2d_many(device: torch.device):  # type: ignore[no-untyped-def]
-    arrays = [np.arange(64, dtype=np.int32) + i for i in range(8)]
+    arrays = _eight_arrays()
 
     def ours() -> tuple[torch.Tensor, ...]:
         return pinstage.h2d_many(arrays, device)
@@ -173,7 +178,7 @@ def _h2d_many(device: torch.device):  # type: ignore[no-untyped-def]
 
 
 def _separate_calls(device: torch.device) -> Callable[[], Any]:
-    arrays = [np.arange(64, dtype=np.int32) + i for i in range(8)]
+    arrays = _eight_arrays()
     return lambda: [pinstage.async_tensor_h2d(a, device) for a in arrays]
 
 
@@ -350,7 +355,7 @@ def simulator_checks() -> dict[str, Any]:
     """Counts the simulator can give exactly: transfers per call and host stalls."""
     from .testing import simulated_accelerator
 
-    arrays = [np.arange(64, dtype=np.int32) + i for i in range(8)]
+    arrays = _eight_arrays()
     out: dict[str, Any] = {}
     with simulated_accelerator("eager") as sim:
         c0 = sim.stats.copies
