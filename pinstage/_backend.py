@@ -14,6 +14,7 @@ Primitives never branch on the device type; they ask :func:`get_backend` and use
 
 from __future__ import annotations
 
+import abc
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,8 +39,12 @@ class Probe:
     staging_limit: int | None = None  # a platform-imposed default cap (e.g. WSL)
 
 
-class Backend:
-    """What a primitive may ask of a device. Copies and launches go on the current stream."""
+class Backend(abc.ABC):
+    """What a primitive may ask of a device. Copies and launches go on the current stream.
+
+    Every method that orders work is abstract (no silent defaults): a backend that forgets
+    fencing fails at construction, not by passing tests. Streams and events are explicit
+    handles: ``record_event(stream)`` fences the work queued on ``stream`` only."""
 
     device: torch.device
     name: str = "base"
@@ -52,8 +57,9 @@ class Backend:
         self._arena_lock = threading.Lock()
 
     # -- facts -------------------------------------------------------------------------------
+    @abc.abstractmethod
     def probe(self) -> Probe:
-        raise NotImplementedError
+        """Platform facts for this device (cached by the caller's policy layer)."""
 
     # -- memory ------------------------------------------------------------------------------
     def alloc_pinned(self, nbytes: int, *, in_use: bool = True) -> torch.Tensor:
@@ -74,15 +80,15 @@ class Backend:
         return torch.zeros(tuple(shape), dtype=dtype, device=self.device)
 
     # -- device work -------------------------------------------------------------------------
+    @abc.abstractmethod
     def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, label: str = "",
                  pinned: bool = False) -> None:
         """host -> device; asynchronous when ``src`` is pinned and contiguous (``pinned``:
         the caller knows it is, e.g. staging memory, so the backend need not ask)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, label: str = "") -> None:
         """device -> host; asynchronous when ``dst`` is pinned."""
-        raise NotImplementedError
 
     def copy_d2d(self, dst: torch.Tensor, src: torch.Tensor, label: str = "") -> None:
         """device -> device (or UVA view -> device), on the stream."""
@@ -95,17 +101,20 @@ class Backend:
         checks reads of host memory; tensor arguments also in ``writes`` are outputs)."""
         fn(*args, **kwargs)
 
-    def record_event(self) -> Any:
-        """An event recorded on the current stream, after all work queued on it so far."""
-        return None
+    @abc.abstractmethod
+    def current_stream(self) -> Any:
+        """A hashable handle of this device's current stream (of the calling thread)."""
 
-    def stream_key(self) -> Any:
-        """Identifies the current stream (an event fences work on its own stream only)."""
-        return None
+    @abc.abstractmethod
+    def record_event(self, stream: Any) -> Any:
+        """An event recorded on ``stream``, after all work queued on it so far. It fences
+        that stream only: work queued on other streams is not covered."""
 
+    @abc.abstractmethod
     def event_done(self, event: Any) -> bool:
-        return True
+        """Whether the work ``event`` fences has completed (never waits)."""
 
+    @abc.abstractmethod
     def wait_event(self, event: Any) -> None:
         """Host waits for ``event``; counted as a stall when the work was not done yet."""
 
@@ -113,6 +122,7 @@ class Backend:
         """A device tensor aliasing pinned ``host`` memory."""
         raise RuntimeError(f"{self.name} target has no UVA views")
 
+    @abc.abstractmethod
     def synchronize(self) -> None:
         """Wait for all device work pinstage issued on this target."""
 
@@ -168,6 +178,22 @@ class CpuBackend(Backend):
     def uva_view(self, host: torch.Tensor) -> torch.Tensor:
         return host
 
+    # Everything is finished when a call returns: no streams, events are already complete.
+    def current_stream(self) -> Any:
+        return None
+
+    def record_event(self, stream: Any) -> Any:
+        return None
+
+    def event_done(self, event: Any) -> bool:
+        return True
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
 
 class GenericBackend(Backend):
     """Another torch device type: plain torch copies, no pinned staging or UVA.
@@ -199,6 +225,25 @@ class GenericBackend(Backend):
 
     def copy_d2d(self, dst: torch.Tensor, src: torch.Tensor, label: str = "") -> None:
         dst.copy_(src)
+
+    # Copies here are blocking (no pinned staging), so there is nothing to fence; device
+    # kernels on xpu/mps are ordered by torch itself.
+    def current_stream(self) -> Any:
+        return None
+
+    def record_event(self, stream: Any) -> Any:
+        return None
+
+    def event_done(self, event: Any) -> bool:
+        return True
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        sync = getattr(getattr(torch, self.device.type, None), "synchronize", None)
+        if callable(sync) and self.device.type != "meta":
+            sync()
 
 
 _CPU = CpuBackend()

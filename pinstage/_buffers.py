@@ -22,7 +22,7 @@ import torch
 
 from ._backend import Backend, get_backend
 from ._capabilities import Capabilities, capabilities_for
-from ._copies import HostSource
+from ._convert import HostSource
 from ._dtypes import check_dtype, itemsize, torch_to_numpy
 from ._errors import describe
 
@@ -255,7 +255,8 @@ class UvaBufferPool:
     def _take(self, rows: int) -> UvaBuffer | NonUvaBuffer:
         """The next slot, once the device is done with it; grown when too small."""
         if self._last is not None:
-            self._events[self._last] = self._backend.record_event()
+            self._events[self._last] = self._backend.record_event(
+                self._backend.current_stream())
         self._curr = (self._curr + 1) % self.max_concurrency
         event = self._events[self._curr]
         if event is not None:

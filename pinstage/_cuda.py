@@ -230,16 +230,13 @@ class CudaBackend(Backend):
             with pinstage_fallback():
                 dst.copy_(src)  # device -> host, blocking: pageable destination
 
-    def record_event(self) -> Any:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))  # after all work queued so far
-        return event
+    def current_stream(self) -> Any:
+        return torch.cuda.current_stream(self.device)
 
-    def stream_key(self) -> Any:
-        get = getattr(torch._C, "_cuda_getCurrentStream", None)
-        if get is not None:  # cheap: (stream id, device index, device type)
-            return get(self.index)[0]
-        return torch.cuda.current_stream(self.device).stream_id
+    def record_event(self, stream: Any) -> Any:
+        event = torch.cuda.Event()
+        event.record(stream)  # after all work queued on that stream so far
+        return event
 
     def event_done(self, event: Any) -> bool:
         return event is None or bool(event.query())

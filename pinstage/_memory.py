@@ -329,7 +329,7 @@ class StagingArena:
             return
         region.released = True
         with self._lock:
-            stream = self.backend.stream_key()
+            stream = self.backend.current_stream()
             if stream != self._unfenced_stream:  # one event covers one stream only
                 self._fence()
                 self._unfenced_stream = stream
@@ -341,7 +341,7 @@ class StagingArena:
 
     def _fence(self) -> None:
         if self._unfenced:
-            event = self.backend.record_event()
+            event = self.backend.record_event(self._unfenced_stream)
             for r in self._unfenced:
                 r.event = event
                 r.fenced = True

@@ -388,7 +388,7 @@ def simulator_checks() -> dict[str, Any]:
             sim.launch(lambda: None)  # the step's model kernels
             if step:
                 sim.backend.sim._run_until(prev)  # the engine read step k-1's outputs
-            prev = sim.backend.record_event().seq
+            prev = sim.backend.record_event(None).seq
         out["steady_state_host_stalls_50_steps"] = sim.stats.host_stalls
         out["steady_state_pinned_growth_bytes"] = (pinstage.host_memory_stats()["reserved_bytes"]
                                                  - reserved0)

@@ -228,7 +228,10 @@ class SimBackend(Backend):
                           reads=[(t, f"input of kernel {name}", False) for t in tensors],
                           writes=list(writes))
 
-    def record_event(self) -> _SimEvent:
+    def current_stream(self) -> Any:
+        return None  # one simulated stream
+
+    def record_event(self, stream: Any) -> _SimEvent:
         self.sim.stats.events += 1
         return _SimEvent(self.sim._seq)
 
