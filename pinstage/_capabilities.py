@@ -2,11 +2,17 @@
 
 Probes are the backend's (cached per device, run on first ask, never at import); the policy
 (``PINSTAGE_PIN_MEMORY`` / ``PINSTAGE_UVA``: ``auto``, ``0`` or ``1``) is read on every call.
+
+A decision that puts an accelerator on a slower path (no pinned staging, no UVA, a platform cap
+on the staging arena) is logged once per process and reason, at ``WARNING``, on the logger
+named ``pinstage``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +23,51 @@ from ._backend import Backend, get_backend
 __all__ = ["Capabilities", "capabilities", "is_pin_memory_available", "is_uva_available"]
 
 _POLICY_VALUES = ("auto", "0", "1")
+
+logger = logging.getLogger("pinstage")
+
+_logged: set[tuple[str, str]] = set()  # (kind, reason) already logged in this process
+_logged_lock = threading.Lock()
+
+
+def _reset_after_fork() -> None:
+    """A forked child is a new process: a fresh lock (the parent's may be held) and log again."""
+    global _logged_lock
+    _logged_lock = threading.Lock()
+    _logged.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def _log_fallback(kind: str, reason: str, message: str) -> None:
+    """Log ``message`` at WARNING unless (``kind``, ``reason``) was logged before."""
+    key = (kind, reason)
+    with _logged_lock:
+        if key in _logged:
+            return
+        _logged.add(key)
+    logger.warning("%s", message)
+
+
+def _log_fallbacks(device: torch.device, pin: bool, pin_why: str, uva: bool, uva_why: str,
+                   cap: int | None, cap_why: str) -> None:
+    """Say once per reason that ``device`` runs on a slower path (see the module docstring)."""
+    if device.type == "meta":
+        return  # a stand-in for tests: no data moves, nothing is slower
+    if not pin:
+        _log_fallback("pin_memory", pin_why,
+                      f"pinned staging is off for {device}: copies from host memory block the "
+                      f"host and UVA views are off too ({pin_why})")
+    elif not uva:
+        _log_fallback("uva", uva_why,
+                      f"UVA is off for {device}: UvaBufferPool and StagedWriteTensor use "
+                      f"device memory and one copy per hand-out (NonUvaBuffer) ({uva_why})")
+    if pin and cap is not None:
+        _log_fallback("staging_cap", cap_why,
+                      f"pinned staging for {device} is capped at {cap / 2**20:g} MiB by the "
+                      f"platform; larger uploads are staged in pieces ({cap_why})")
 
 
 @dataclass(frozen=True)
@@ -94,8 +145,11 @@ def _decide(backend: Backend) -> Capabilities:
                             backend.name, None)
 
     pin = probe.can_pin
+    probe_why = "; ".join(probe.reasons) or "the probe found no way"
+    pin_why = uva_why = probe_why
     if pin_policy == "0":
         pin = False
+        pin_why = "PINSTAGE_PIN_MEMORY=0 in the environment"
         reasons.append("PINSTAGE_PIN_MEMORY=0 in the environment: pinned staging is off; "
                        "copies from host memory block the host")
     elif pin_policy == "1":
@@ -109,6 +163,7 @@ def _decide(backend: Backend) -> Capabilities:
     uva = probe.uva and pin
     if uva_policy == "0":
         uva = False
+        uva_why = "PINSTAGE_UVA=0 in the environment"
         reasons.append("PINSTAGE_UVA=0 in the environment: UVA views are off (buffers use "
                        "device memory and copies instead)")
     elif uva_policy == "1":
@@ -121,6 +176,9 @@ def _decide(backend: Backend) -> Capabilities:
     elif probe.uva and not pin:
         reasons.append("UVA off: it needs pinned memory, which is off")
     limit = staging_limit(probe.staging_limit) if pin else None
+    platform_cap = (limit if pin and probe.staging_limit is not None
+                    and not os.environ.get("PINSTAGE_STAGING_LIMIT", "").strip() else None)
+    _log_fallbacks(backend.device, pin, pin_why, uva, uva_why, platform_cap, probe_why)
     return Capabilities(backend.device, True, probe.can_pin, pin, uva, tuple(reasons),
                         backend.name, limit)
 
