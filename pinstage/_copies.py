@@ -21,7 +21,7 @@ from ._capabilities import capabilities_for
 from ._convert import NATIVE_DTYPES, HostSource, array_tensor
 from ._dtypes import itemsize, torch_to_numpy
 from ._errors import describe
-from ._memory import ALIGN, Region, align_up
+from ._memory import ALIGN, align_up, device_state, pinned_copy_memory
 
 __all__ = ["async_tensor_h2d", "h2d_many", "np_to_pinned_tensor", "synchronize"]
 
@@ -70,15 +70,12 @@ def _stage_and_copy(backend: Backend, src: HostSource, dst: torch.Tensor, label:
     arena = backend.arena()
     chunk = min(CHUNK_BYTES, max(ALIGN, arena.limit // 4))
     if src.nbytes <= chunk:
-        region = arena.alloc(src.nbytes)
-        block = region.block
-        try:
+        with arena.staging(src.nbytes) as region:  # released whatever happens, interrupts too
+            block = region.block
             src.write_into(block.tensor, block.np, region.start)
             typed = _typed_host(block.np, block.tensor, region.start, src.nbytes, src.dtype,
                                 src.shape)
             backend.copy_h2d(dst, typed, label, pinned=True)  # host -> device, from staging
-        finally:
-            arena.release(region)
         return
     if not dst.is_contiguous():  # a strided `out`: stage into fresh memory, then one copy
         tmp = backend.empty(src.shape, src.dtype)
@@ -101,14 +98,11 @@ def _stage_and_copy(backend: Backend, src: HostSource, dst: torch.Tensor, label:
     for i in range(0, t.shape[0], rows):
         piece = t[i : i + rows]
         nb = piece.numel() * size
-        region = arena.alloc(nb)
-        try:
+        with arena.staging(nb) as region:
             typed = _typed_host(region.block.np, region.block.tensor, region.start, nb,
                                 src.dtype, tuple(piece.shape))
             typed.copy_(piece)  # host memcpy (+ conversion); torch runs large ones on threads
             backend.copy_h2d(dflat[i : i + rows], typed, label, pinned=True)  # host -> device
-        finally:
-            arena.release(region)
 
 
 def _upload(backend: Backend, src: HostSource, out: torch.Tensor | None,
@@ -213,14 +207,10 @@ def h2d_many(arrays: Sequence[Any], device: Any = None,
     outs = _views(dev, srcs, offsets)
     pinned = capabilities_for(backend).pin_memory
     if pinned and total <= backend.arena().limit:
-        arena = backend.arena()
-        region: Region = arena.alloc(total)
-        try:
+        with backend.arena().staging(total) as region:
             for o, s in zip(offsets, srcs):
                 s.write_into(region.block.tensor, region.block.np, region.start + o)
             backend.copy_h2d(dev, region.tensor(total), "h2d_many", pinned=True)  # one copy
-        finally:
-            arena.release(region)
     elif pinned:  # larger than the whole staging cap: each input staged on its own
         for s, dst in zip(srcs, outs):
             _upload(backend, s, dst, "h2d_many")
@@ -235,24 +225,26 @@ def h2d_many(arrays: Sequence[Any], device: Any = None,
 
 def np_to_pinned_tensor(array: np.ndarray) -> torch.Tensor:
     """A CPU tensor equal to ``array``: a pinned copy where pinned memory is in use, otherwise
-    possibly sharing memory with ``array``."""
+    possibly sharing memory with ``array``. The pinned memory comes from a per-device pool and
+    returns to it once the tensor is gone and the device work queued before has completed."""
     if not isinstance(array, np.ndarray):
         raise TypeError(f"array must be a NumPy array, got {describe(array)}")
     backend = get_backend(None)
     src = HostSource(array, None, backend, what="array")
     if not capabilities_for(backend).pin_memory:
         return array_tensor(array)
-    mem = backend.alloc_pinned(src.nbytes)
     if not src.nbytes:
         return torch.empty(src.shape, dtype=src.dtype)
-    src.write_into(mem, mem.numpy(), 0)
-    return _typed_host(mem.numpy(), mem, 0, src.nbytes, src.dtype, src.shape)
+    mem = pinned_copy_memory(backend, src.nbytes)  # pooled: pins only when no slab fits
+    mem_np = mem.numpy()
+    src.write_into(mem, mem_np, 0)
+    return _typed_host(mem_np, mem, 0, src.nbytes, src.dtype, src.shape)
 
 
 def synchronize(device: Any = None) -> None:
-    """Wait until all device work pinstage issued for ``device`` has completed."""
+    """Wait until all device work pinstage issued for ``device`` has completed, then take
+    back the staging and parked pinned memory that work was reading."""
     backend = get_backend(device)
     backend.synchronize()
-    if backend._arena is not None:
-        backend._arena.drain()
+    device_state(backend).drain()
 
