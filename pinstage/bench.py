@@ -6,6 +6,10 @@ and the spread (interquartile range over rounds). Both sides are checked to prod
 values before they are timed; as with ``timeit``, garbage collection is off while timing. On
 an accelerator the time is the host's time per call (what the engine loop pays) unless a case
 says it measures bandwidth, which includes the transfer.
+
+Cases that need an accelerator (large copies, a 1 KiB upload, a UVA gather) are skipped with a
+reason on the CPU target. The report's ``goals`` name each performance goal with its measured
+value and ``pass``/``fail``, or ``not run`` with the reason.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import gc
 import platform
 import statistics
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +30,8 @@ import pinstage
 
 from ._backend import get_backend
 
-__all__ = ["Case", "run_suite", "cases_for", "best_target"]
+__all__ = ["CASES", "Case", "best_target", "case_names", "cases_for", "check_case_names",
+           "goals", "run_suite"]
 
 
 @dataclass
@@ -41,6 +47,8 @@ class Case:
     calls_per_round: int = 50
     # more ways of doing the same work, timed in the same rounds and reported as NAME_us
     also: Callable[[torch.device], dict[str, Callable[[], Any]]] | None = None
+    # why the case cannot run on this target (None: it can); checked after ``gpu_only``
+    requires: Callable[[Any], str | None] | None = None
 
 
 def best_target() -> torch.device:
@@ -114,6 +122,78 @@ def _staged_writes(device: torch.device):  # type: ignore[no-untyped-def]
         ours()
         base()
         _same(swt.gpu, table, device)
+
+    return ours, base, check
+
+
+def _random_writes(disjoint: bool, seed: int) -> tuple[list[int], list[int], list[list[int]]]:
+    """256 writes of 16 int32 at random positions of a (1024, 64) table: distinct rows when
+    ``disjoint``, else rows drawn with replacement (some writes overlap others)."""
+    rng = np.random.default_rng(seed)
+    rows = (rng.choice(1024, 256, replace=False) if disjoint else rng.integers(0, 1024, 256))
+    starts = rng.integers(0, 64 - 16 + 1, 256)
+    values = [rng.integers(0, 1 << 20, 16).tolist() for _ in range(256)]
+    return rows.tolist(), starts.tolist(), values
+
+
+def _staged_writes_overlap(device: torch.device):  # type: ignore[no-untyped-def]
+    rows, starts, values = _random_writes(disjoint=False, seed=2)
+    swt = pinstage.StagedWriteTensor((1024, 64), torch.int32, device)
+    table = torch.zeros(1024, 64, dtype=torch.int32, device=device)
+
+    def ours() -> None:
+        for r, s, x in zip(rows, starts, values):
+            swt.stage_write(r, s, x)
+        swt.apply_write()
+
+    def base() -> None:
+        for r, s, x in zip(rows, starts, values):
+            table[r, s : s + 16] = _to(torch.tensor(x, dtype=torch.int32), device)
+
+    def check() -> None:
+        ours()
+        base()
+        _same(swt.gpu, table, device)
+
+    return ours, base, check
+
+
+def _disjoint_writes(device: torch.device) -> dict[str, Callable[[], Any]]:
+    """The same amount of writes, none overlapping: pinstage's side only (for the ratio)."""
+    rows, starts, values = _random_writes(disjoint=True, seed=2)
+    swt = pinstage.StagedWriteTensor((1024, 64), torch.int32, device)
+
+    def disjoint() -> None:
+        for r, s, x in zip(rows, starts, values):
+            swt.stage_write(r, s, x)
+        swt.apply_write()
+
+    return {"pinstage_disjoint": disjoint}
+
+
+def _stage_write_call(device: torch.device):  # type: ignore[no-untyped-def]
+    """One ``stage_write`` of 16 ints; the baseline is packing them with ``struct.pack``."""
+    values = list(range(1000, 1016))
+    swt = pinstage.StagedWriteTensor((1024, 64), torch.int32, device)
+    count = [0]
+
+    def ours() -> None:
+        i = count[0] = count[0] + 1
+        swt.stage_write(i & 1023, 8, values)
+        if not i & 1023:  # keep the staged list bounded (amortised: 1 call in 1024)
+            swt.clear_staged_writes()
+
+    def base() -> bytes:
+        return struct.pack("<16i", *values)
+
+    def check() -> None:
+        swt.clear_staged_writes()
+        swt.stage_write(3, 8, values)
+        swt.apply_write()
+        _sync(device)
+        if swt.gpu[3, 8:24].cpu().tolist() != values:
+            raise AssertionError("stage_write did not write its values")
+        swt.clear_staged_writes()
 
     return ours, base, check
 
@@ -203,43 +283,98 @@ def _buffer_round_trip(device: torch.device):  # type: ignore[no-untyped-def]
     return ours, base, check
 
 
-def _large(pageable: bool):  # type: ignore[no-untyped-def]
-    def make(device: torch.device):  # type: ignore[no-untyped-def]
-        n = 256 * 2**20 // 4
-        pinned = pinstage.np_to_pinned_tensor(np.zeros(n, np.float32))
-        src = torch.randn(n) if pageable else pinned
-        dst = torch.empty(n, device=device)
-
-        def ours() -> None:
-            pinstage.async_tensor_h2d(src, out=dst)
-            _sync(device)
-
-        def base() -> None:  # the bound: a bare pinned copy
-            dst.copy_(pinned, non_blocking=True)
-            _sync(device)
-
-        return ours, base, None
-    return make
+_LARGE = 256 * 2**20
 
 
-def _small_latency(device: torch.device):  # type: ignore[no-untyped-def]
+def _large_pageable(device: torch.device):  # type: ignore[no-untyped-def]
+    """256 MiB from an ordinary (pageable) tensor: pinstage's pipelined staging vs the copy a
+    user writes; a bare copy from pinned memory (the bound) is timed in the same rounds."""
+    n = _LARGE // 4
+    src = torch.randn(n)
+    pinned = torch.empty(n, pin_memory=True)
+    pinned.copy_(src)
+    dst = torch.empty(n, device=device)
+
+    def ours() -> None:
+        pinstage.async_tensor_h2d(src, out=dst)
+        _sync(device)
+
+    def base() -> None:
+        dst.copy_(src, non_blocking=True)
+        _sync(device)
+
+    def check() -> None:
+        dst.zero_()
+        ours()
+        if not torch.equal(dst.cpu(), src):
+            raise AssertionError("pinstage's staged copy differs from its source")
+
+    return ours, base, check
+
+
+def _large_pageable_also(device: torch.device) -> dict[str, Callable[[], Any]]:
+    n = _LARGE // 4
+    src = torch.randn(n)
+    pinned = torch.empty(n, pin_memory=True)
+    dst = torch.empty(n, device=device)
+
+    def to_device() -> None:
+        src.to(device, non_blocking=True)
+        _sync(device)
+
+    def bare_pinned_copy() -> None:
+        dst.copy_(pinned, non_blocking=True)
+        _sync(device)
+
+    return {"to_device": to_device, "bare_pinned_copy": bare_pinned_copy}
+
+
+def _large_pinned(device: torch.device):  # type: ignore[no-untyped-def]
+    """256 MiB from a tensor the user pinned with torch: pinstage reads it in place, so the
+    bound is the bare ``copy_`` itself."""
+    n = _LARGE // 4
+    src = torch.randn(n).pin_memory()
+    dst = torch.empty(n, device=device)
+
+    def ours() -> None:
+        pinstage.async_tensor_h2d(src, out=dst)
+        _sync(device)
+
+    def base() -> None:
+        dst.copy_(src, non_blocking=True)
+        _sync(device)
+
+    def check() -> None:
+        dst.zero_()
+        ours()
+        if not torch.equal(dst.cpu(), src):
+            raise AssertionError("pinstage's copy differs from its source")
+
+    return ours, base, check
+
+
+def _small_copy(device: torch.device):  # type: ignore[no-untyped-def]
     arr = np.arange(256, dtype=np.int32)  # 1 KiB
-    pinned = pinstage.np_to_pinned_tensor(arr)
-    dst = torch.empty(256, dtype=torch.int32, device=device)
 
     def ours() -> torch.Tensor:
-        return pinstage.async_tensor_h2d(arr, out=dst)
+        return pinstage.async_tensor_h2d(arr, device)
 
-    def base() -> torch.Tensor:  # the floor: a bare pinned non_blocking copy_
-        return dst.copy_(pinned, non_blocking=True)
+    def base() -> torch.Tensor:
+        return torch.from_numpy(arr).to(device, non_blocking=True)
 
-    return ours, base, None
+    return ours, base, lambda: _same(ours(), base(), device)
+
+
+def _small_copy_also(device: torch.device) -> dict[str, Callable[[], Any]]:
+    pinned = torch.from_numpy(np.arange(256, dtype=np.int32)).pin_memory()
+    dst = torch.empty(256, dtype=torch.int32, device=device)
+    return {"bare_pinned_copy": lambda: dst.copy_(pinned, non_blocking=True)}
 
 
 def _uva_gather(device: torch.device):  # type: ignore[no-untyped-def]
     rows, cols = 1 << 16, 64
     buf = pinstage.UvaBuffer((rows, cols), torch.float32, device)
-    buf.cpu.fill_(1.0)
+    buf.cpu.copy_(torch.randn(rows, cols))
     idx = torch.randint(0, rows, (4096,), device=device)
     view = buf.uva()
     host = buf.cpu
@@ -257,6 +392,18 @@ def _uva_gather(device: torch.device):  # type: ignore[no-untyped-def]
     return ours, base, lambda: _same(ours(), base(), device)
 
 
+def _needs_pinning(device: Any) -> str | None:
+    if not pinstage.capabilities(device).pin_memory:
+        return f"pinned memory is off for {device} (see pinstage doctor)"
+    return None
+
+
+def _needs_uva(device: Any) -> str | None:
+    if not pinstage.capabilities(device).uva:
+        return f"UVA is off for {device} (see pinstage doctor)"
+    return None
+
+
 def _same(a: Any, b: Any, device: torch.device) -> None:
     _sync(device)
     ta, tb = torch.as_tensor(a).cpu(), torch.as_tensor(b).cpu()
@@ -270,26 +417,58 @@ CASES = [
     Case("noncontig_upload", "non-contiguous (512, 32) tensor -> device", _noncontig_upload),
     Case("staged_writes_256x16", "256 row writes of 16 int32 into a (256, 64) table",
          _staged_writes, calls_per_round=5),
+    Case("staged_writes_overlap", "256 random writes of 16 int32 into a (1024, 64) table, some "
+         "overlapping (pinstage_disjoint_us: the same without overlaps)",
+         _staged_writes_overlap, calls_per_round=5, also=_disjoint_writes),
+    Case("stage_write_call", "one stage_write of 16 ints; baseline: struct.pack of them (the "
+         "floor, not a way to write a table)", _stage_write_call, calls_per_round=1000),
     Case("engine_step_256", "3 per-request uploads + 256 block-table appends",
          _engine_step, calls_per_round=5),
     Case("h2d_many_8", "8 small arrays in one call (one transfer)", _h2d_many,
          also=lambda device: {"separate_async_tensor_h2d": _separate_calls(device)}),
     Case("cpugpubuffer_round_trip", "CpuGpuBuffer 512 rows to device and back",
          _buffer_round_trip),
-    Case("small_copy_1k", "1 KiB upload vs a bare pinned copy_ (overhead)", _small_latency,
-         gpu_only=True),
-    Case("large_pinned_256m", "256 MiB pinned -> device vs bare pinned copy_",
-         _large(False), gpu_only=True, bandwidth_bytes=256 * 2**20, calls_per_round=1),
-    Case("large_pageable_256m", "256 MiB pageable -> device vs bare pinned copy_",
-         _large(True), gpu_only=True, bandwidth_bytes=256 * 2**20, calls_per_round=1),
-    Case("uva_gather", "gather 4096 rows from a 16 MiB pinned table via UVA",
-         _uva_gather, gpu_only=True, calls_per_round=5),
+    Case("small_copy_1k", "1 KiB ndarray upload vs torch.from_numpy(a).to(dev, "
+         "non_blocking=True) (bare_pinned_copy_us: a pinned copy_, the floor)", _small_copy,
+         gpu_only=True, also=_small_copy_also),
+    Case("large_pinned_256m", "256 MiB torch-pinned tensor -> device vs its bare copy_",
+         _large_pinned, gpu_only=True, bandwidth_bytes=_LARGE, calls_per_round=1),
+    Case("large_pageable_256m", "256 MiB pageable tensor -> device vs copy_(non_blocking=True) "
+         "(also: .to(dev), and a bare copy_ from pinned memory)", _large_pageable,
+         gpu_only=True, bandwidth_bytes=_LARGE, calls_per_round=1, also=_large_pageable_also,
+         requires=_needs_pinning),
+    Case("uva_gather", "gather 4096 rows from a 16 MiB pinned table via UVA vs copy-then-gather",
+         _uva_gather, gpu_only=True, calls_per_round=5, requires=_needs_uva),
 ]
+
+# cases without a transfer large enough to hide a wait: the host should never stall in them
+SMALL_CASES = ("list_upload_256", "ndarray_upload_4k", "noncontig_upload", "staged_writes_256x16",
+               "staged_writes_overlap", "engine_step_256", "h2d_many_8", "small_copy_1k")
+
+
+def case_names() -> list[str]:
+    """Every case's name, in suite order."""
+    return [c.name for c in CASES]
+
+
+def check_case_names(names: list[str]) -> None:
+    """Raise ``ValueError`` naming the valid cases if any of ``names`` is not one."""
+    unknown = [n for n in names if n not in case_names()]
+    if unknown:
+        raise ValueError(f"unknown case {', '.join(repr(n) for n in unknown)}; valid cases: "
+                         f"{', '.join(case_names())}")
+
+
+def skip_reason(case: Case, device: torch.device) -> str | None:
+    """Why ``case`` cannot run on ``device`` (None: it can)."""
+    if case.gpu_only and not pinstage.capabilities(device).accelerator:
+        return "needs an accelerator; the target is the CPU"
+    return case.requires(device) if case.requires is not None else None
 
 
 def cases_for(device: torch.device) -> list[Case]:
-    accel = pinstage.capabilities(device).accelerator
-    return [c for c in CASES if accel or not c.gpu_only]
+    """The cases that can run on ``device``."""
+    return [c for c in CASES if skip_reason(c, device) is None]
 
 
 def _time_calls(fn: Callable[[], Any], calls: int) -> float:
@@ -341,6 +520,12 @@ def run_case(case: Case, device: torch.device, rounds: int) -> dict[str, Any]:
     if case.bandwidth_bytes:
         result["pinstage_gbps"] = case.bandwidth_bytes / p / 1e9
         result["baseline_gbps"] = case.bandwidth_bytes / b / 1e9
+        for k, ts in t_other.items():
+            result[f"{k}_gbps"] = case.bandwidth_bytes / statistics.median(ts) / 1e9
+    if "bare_pinned_copy_us" in result:
+        result["pinstage_vs_bare_pinned"] = result["bare_pinned_copy_us"] / result["pinstage_us"]
+    if "pinstage_disjoint_us" in result:
+        result["overlap_vs_disjoint"] = result["pinstage_us"] / result["pinstage_disjoint_us"]
     return result
 
 
@@ -352,7 +537,7 @@ def _iqr(xs: list[float]) -> float:
 
 
 def simulator_checks() -> dict[str, Any]:
-    """Counts the simulator can give exactly: transfers per call and host stalls."""
+    """Counts the simulator can give exactly: transfers per call, host stalls, pinned bytes."""
     from .testing import simulated_accelerator
 
     arrays = _eight_arrays()
@@ -371,6 +556,7 @@ def simulator_checks() -> dict[str, Any]:
         out["h2d_many_8_sim_us"] = many * 1e6
         out["separate_8_sim_us"] = sep * 1e6
         out["h2d_many_vs_separate_ratio"] = many / sep
+        out["pinned_rss_ratio"] = pinned_rss(sim.device)["ratio"]
     with simulated_accelerator("random", seed=0) as sim:
         # 50 engine steps; like a real engine, step k+1 starts once step k's outputs were read
         # (the device is then at most one step behind). Any host wait inside pinstage counts.
@@ -395,36 +581,163 @@ def simulator_checks() -> dict[str, Any]:
     return out
 
 
+# odd sizes (bytes) of persistent pinned buffers: power-of-two rounding would reserve ~1.4x
+_RSS_SIZES = (4096 + 4, 2**20 + 12, 3 * 2**20 + 20, 17 * 2**20 + 4, 100 * 2**20 - 44)
+
+
+def pinned_rss(device: Any) -> dict[str, Any]:
+    """Pinned bytes reserved per byte requested for a set of odd-sized ``CpuGpuBuffer`` objects:
+    the growth of ``host_memory_stats()["reserved_bytes"]`` over that of ``requested_bytes``."""
+    s0 = pinstage.host_memory_stats()
+    bufs = [pinstage.CpuGpuBuffer(n // 4, dtype=torch.int32, device=device, with_numpy=False)
+            for n in _RSS_SIZES]
+    s1 = pinstage.host_memory_stats()
+    requested = s1["requested_bytes"] - s0["requested_bytes"]
+    reserved = s1["reserved_bytes"] - s0["reserved_bytes"]
+    del bufs
+    return {"requested_bytes": requested, "reserved_bytes": reserved,
+            "ratio": reserved / requested if requested else None,
+            "buffer_bytes": [n // 4 * 4 for n in _RSS_SIZES]}
+
+
+def resolve_target(device: Any = None) -> torch.device:
+    """The device to benchmark: ``device``, or the best target of this machine. Raises
+    ``ValueError``/``RuntimeError`` naming the problem when it cannot be benchmarked."""
+    if device is None:
+        return best_target()
+    dev = pinstage.capabilities(device).device
+    if dev.type == "meta":
+        raise ValueError("device 'meta' cannot be benchmarked: meta tensors hold no data (it "
+                         "stands in for an accelerator in audit tests only)")
+    return dev
+
+
 def run_suite(quick: bool = False, device: Any = None,
               progress: Callable[[int, int, str], None] | None = None,
-              only: list[str] | None = None) -> dict[str, Any]:
-    """Run every case for the target; returns the JSON-able report of the contract."""
-    dev = best_target() if device is None else torch.device(device)
+              only: list[str] | None = None,
+              on_result: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run every case (or those named in ``only``) for the target; returns the JSON-able
+    report of the contract, with ``goals``. ``on_result`` is called with each finished case.
+
+    On ``KeyboardInterrupt`` the suite stops and the report holds the cases finished so far,
+    with ``"interrupted": true`` (the caller decides what an interrupt means for it)."""
+    if only is not None:
+        check_case_names(only)
+    dev = resolve_target(device)
     caps = pinstage.capabilities(dev)
-    cases = [c for c in cases_for(dev) if only is None or c.name in only]
+    selected = [c for c in CASES if only is None or c.name in only]
+    skipped = [{"name": c.name, "what": c.what, "reason": why} for c in selected
+               if (why := skip_reason(c, dev)) is not None]
+    cases = [c for c in selected if skip_reason(c, dev) is None]
     rounds = 7 if quick else 25
-    if dev.type == "cpu":
-        torch.set_num_threads(max(1, torch.get_num_threads()))
-    results = []
-    for i, case in enumerate(cases):
-        if progress:
-            progress(i, len(cases), case.name)
-        results.append(run_case(case, dev, rounds))
-    if progress:
-        progress(len(cases), len(cases), "simulator checks")
-    sim = simulator_checks()
-    return {
+    results: list[dict[str, Any]] = []
+    report: dict[str, Any] = {
         "target": str(dev) if caps.accelerator else "cpu",
         "device_name": _device_name(dev),
         "quick": quick,
+        "interrupted": False,
         "capabilities": caps.as_dict(),
         "cases": results,
-        "simulator": sim,
+        "skipped": skipped,
+        "pinned_memory": None,
+        "simulator": None,
         "host": {"python": platform.python_version(), "torch": torch.__version__,
                  "numpy": np.__version__, "machine": platform.machine(),
                  "threads": torch.get_num_threads()},
         "pinstage": pinstage.__version__,
     }
+    try:
+        for i, case in enumerate(cases):
+            if progress:
+                progress(i, len(cases), case.name)
+            results.append(run_case(case, dev, rounds))
+            if on_result:
+                on_result(results[-1])
+        if caps.accelerator and caps.pin_memory:
+            if progress:
+                progress(len(cases), len(cases), "pinned memory")
+            report["pinned_memory"] = pinned_rss(dev)
+        if progress:
+            progress(len(cases), len(cases), "simulator checks")
+        report["simulator"] = simulator_checks()
+    except KeyboardInterrupt:
+        report["interrupted"] = True
+    report["goals"] = goals(report)
+    return report
+
+
+def _goal(text: str, value: float | None, limit: float, at_most: bool,
+          not_run: str | None = None, **extra: Any) -> dict[str, Any]:
+    if not_run is not None or value is None:
+        return {"goal": text, "status": "not run", "reason": not_run or "no value", **extra}
+    ok = value <= limit if at_most else value >= limit
+    return {"goal": text, "value": round(value, 4), "limit": limit,
+            "compare": "<=" if at_most else ">=", "status": "pass" if ok else "fail", **extra}
+
+
+def goals(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each performance goal with its measured value and ``pass``/``fail``, or ``not run``
+    and why (case skipped on this target, not selected, or the run was interrupted)."""
+    cases = {c["name"]: c for c in report.get("cases", [])}
+    skipped = {s["name"]: s["reason"] for s in report.get("skipped", [])}
+    accel = bool(report.get("capabilities", {}).get("accelerator"))
+
+    def why_not(name: str) -> str | None:
+        if name in cases:
+            return None
+        if name in skipped:
+            return f"{name}: {skipped[name]}"
+        if report.get("interrupted"):
+            return f"{name}: the run was interrupted before it"
+        return f"{name}: not selected (--case)"
+
+    out: dict[str, dict[str, Any]] = {}
+    c = cases.get("staged_writes_overlap", {})
+    out["staged_writes_overlap_le_1_3x_disjoint"] = _goal(
+        "overlapping staged writes cost at most 1.3x disjoint ones (pinstage_us / "
+        "pinstage_disjoint_us of staged_writes_overlap)", c.get("overlap_vs_disjoint"), 1.3,
+        True, why_not("staged_writes_overlap"))
+    c = cases.get("stage_write_call", {})
+    out["stage_write_call_le_2x_struct_pack"] = _goal(
+        "one stage_write of 16 ints costs at most 2x a bare struct.pack of them",
+        c["pinstage_us"] / c["baseline_us"] if c else None, 2.0, True,
+        why_not("stage_write_call"))
+    c = cases.get("large_pageable_256m", {})
+    out["pageable_ge_75pct_of_pinned_bandwidth"] = _goal(
+        "a 256 MiB pageable upload through pinstage reaches at least 75% of a bare pinned "
+        "copy's bandwidth (same rounds)", c.get("pinstage_vs_bare_pinned"), 0.75, False,
+        why_not("large_pageable_256m"),
+        **({"pinstage_gbps": c["pinstage_gbps"], "bare_pinned_gbps": c["bare_pinned_copy_gbps"],
+            "straightforward_gbps": c["baseline_gbps"]} if c else {}))
+    c = cases.get("large_pinned_256m", {})
+    out["large_pinned_ge_90pct_of_bare"] = _goal(
+        "a 256 MiB pinned upload through pinstage reaches at least 90% of the bare copy_'s "
+        "bandwidth", c.get("speedup"), 0.90, False, why_not("large_pinned_256m"),
+        **({"pinstage_gbps": c["pinstage_gbps"], "bare_gbps": c["baseline_gbps"]} if c else {}))
+    c = cases.get("small_copy_1k", {})
+    out["small_copy_1k_host_us"] = _goal(
+        "a 1 KiB upload costs the host no more per call than torch.from_numpy(a).to(dev, "
+        "non_blocking=True); value: pinstage's per-call host time in us, next to a bare "
+        "pinned copy_'s", c.get("pinstage_us"), c.get("baseline_us", 0.0), True,
+        why_not("small_copy_1k"),
+        **({"bare_pinned_copy_us": c["bare_pinned_copy_us"],
+            "straightforward_us": c["baseline_us"]} if c else {}))
+    small = [cases[n] for n in SMALL_CASES if n in cases]
+    out["small_cases_0_host_stalls"] = _goal(
+        "no host stall inside pinstage in the timed (steady-state) rounds of the small cases",
+        sum(x["pinstage_host_stalls"] for x in small) if small else None, 0, True,
+        None if accel and small else
+        "needs an accelerator target (the CPU never waits for a device; the simulator's "
+        "steady-state count is under 'simulator')" if not accel else "no small case ran",
+        **({"cases": [x["name"] for x in small]} if accel else {}))
+    pm = report.get("pinned_memory") or {}
+    out["pinned_rss_le_1_05x_requested"] = _goal(
+        "pinned memory reserved for odd-sized buffers is at most 1.05x the bytes requested",
+        pm.get("ratio"), 1.05, True,
+        None if pm else "needs an accelerator target with pinned memory" if not (
+            accel and report.get("capabilities", {}).get("pin_memory")) else
+        "the run was interrupted before it")
+    return out
 
 
 def _device_name(dev: torch.device) -> str:

@@ -1,17 +1,134 @@
-"""The ``pinstage`` command: ``doctor``, ``bench`` and ``audit``."""
+"""The ``pinstage`` command: ``doctor``, ``bench`` and ``audit``.
+
+A user mistake (unknown case or device, unwritable output path, missing script, a bad
+environment setting) gives one line on stderr and exit status 2, never a traceback; Ctrl-C
+gives exit status 130.
+"""
 
 from __future__ import annotations
 
 import argparse
+import builtins
 import json
+import logging
 import os
+import re
 import runpy
 import sys
-from typing import Any
+import tempfile
+import traceback
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, NoReturn
 
-__all__ = ["main"]
+from . import __version__
+
+__all__ = ["UsageError", "device_problem", "main"]
 
 BENCH_EXTRA_HINT = "install the bench extra: pip install 'pinstage[bench]'"
+AUDIT_USAGE = "pinstage audit [--strict] -- python (SCRIPT | -c CODE | -m MODULE) [ARGS...]"
+
+
+class UsageError(Exception):
+    """A mistake on the command line: reported as one line, exit status 2."""
+
+
+# -- checks shared by the commands ----------------------------------------------------------
+
+
+def device_problem(spec: str) -> str | None:
+    """Why ``spec`` cannot be a target on this machine, as one diagnosis (None: it can)."""
+    import torch
+
+    try:
+        dev = torch.device(spec)
+    except (RuntimeError, ValueError, TypeError):
+        return (f"device {spec!r} is not a torch device: expected cpu, cuda, cuda:N or another "
+                "torch device type (xpu, mps, ...)")
+    if dev.type == "cuda":
+        hip = getattr(torch.version, "hip", None)
+        built = torch.version.cuda or hip
+        if not built:
+            return (f"device {spec!r} is not available: this torch build has no CUDA (CPU-only "
+                    f"torch {torch.__version__}); install a CUDA or ROCm build of torch")
+        if not torch.cuda.is_available():
+            return (f"device {spec!r} is not available: torch {torch.__version__} was built "
+                    f"for {'ROCm' if hip else 'CUDA'} {built} but sees no GPU (check the "
+                    "driver, e.g. nvidia-smi, and CUDA_VISIBLE_DEVICES)")
+        n = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= n:
+            return (f"device {spec!r} is not available: this machine has {n} CUDA device(s) "
+                    f"(cuda:0 to cuda:{n - 1})")
+    return None
+
+
+def _check_device(spec: str | None) -> None:
+    if spec is None:
+        return
+    problem = device_problem(spec)
+    if problem is not None:
+        raise UsageError(problem)
+
+
+def _check_output(path: str, flag: str) -> None:
+    """Raise ``UsageError`` unless ``path`` can be written (checked before any work)."""
+    full = os.path.abspath(path)
+    parent = os.path.dirname(full)
+    if os.path.isdir(full):
+        raise UsageError(f"{flag} {path!r} is a directory; give a file path")
+    if not os.path.exists(parent):
+        raise UsageError(f"{flag} {path!r} cannot be written: the directory {parent!r} does "
+                         "not exist")
+    if not os.path.isdir(parent):
+        raise UsageError(f"{flag} {path!r} cannot be written: {parent!r} is not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".pinstage-write-check-")
+        os.close(fd)
+        os.unlink(probe)
+        if os.path.exists(full) and not os.access(full, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as exc:
+        raise UsageError(f"{flag} {path!r} cannot be written: {exc.strerror or exc}") from None
+
+
+def _check_plot_format(path: str) -> None:
+    ext = os.path.splitext(path)[1][1:].lower()
+    if not ext:
+        return  # matplotlib writes its default format (PNG)
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if ext not in formats:
+        raise UsageError(f"--plot {path!r}: matplotlib cannot write .{ext} files; use one of "
+                         + ", ".join(f".{f}" for f in sorted(formats)))
+
+
+@contextmanager
+def _quiet_pinstage_log() -> Iterator[None]:
+    """Drop the ``pinstage`` logger's fallback warnings (``doctor`` reports the same)."""
+    log = logging.getLogger("pinstage")
+
+    def drop(record: logging.LogRecord) -> bool:
+        return False
+
+    log.addFilter(drop)
+    try:
+        yield
+    finally:
+        log.removeFilter(drop)
+
+
+def _log_warnings_to_stderr() -> None:
+    """Show the ``pinstage`` logger's warnings as ``pinstage: warning: ...`` lines, unless
+    logging is configured already."""
+    log = logging.getLogger("pinstage")
+    if log.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("pinstage: warning: %(message)s"))
+    log.addHandler(handler)
+    log.propagate = False
 
 
 # -- doctor -----------------------------------------------------------------------------------
@@ -65,9 +182,19 @@ def _advice(caps: Any) -> list[str]:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    """``pinstage doctor``: capabilities, reasons and advice (exit status 0)."""
+    with _quiet_pinstage_log():
+        return _doctor(args)
+
+
+def _doctor(args: argparse.Namespace) -> int:
     import pinstage
 
-    caps = pinstage.capabilities(args.device)
+    _check_device(args.device)
+    try:
+        caps = pinstage.capabilities(args.device)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise UsageError(str(exc)) from None
     report: dict[str, Any] = {"capabilities": caps.as_dict(), "advice": _advice(caps),
                               "staging_limit": caps.staging_limit,
                               "host_memory": pinstage.host_memory_stats()}
@@ -113,14 +240,16 @@ def _have(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def _progress_printer() -> tuple[Any, Any]:
-    """A progress callback (rich if installed, else plain lines on stderr) and a closer."""
-    if _have("rich"):
+def _progress_printer() -> tuple[Callable[[int, int, str], None], Callable[[], None]]:
+    """A progress callback and its closer: a rich bar on a terminal (with the bench extra),
+    else plain lines; both on stderr, so stdout holds only the results."""
+    if _have("rich") and sys.stderr.isatty():
+        from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
         prog = Progress(TextColumn("[bold]pinstage bench[/]"), BarColumn(),
                         TextColumn("{task.completed}/{task.total} {task.description}"),
-                        TimeElapsedColumn(), transient=True)
+                        TimeElapsedColumn(), transient=True, console=Console(stderr=True))
         prog.start()
         task = prog.add_task("", total=1)
 
@@ -136,11 +265,12 @@ def _progress_printer() -> tuple[Any, Any]:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    rows = [("case", "pinstage us", "+-", "baseline us", "+-", "speedup")]
+    """The cases as a text table (median +- interquartile range, speedup, host stalls)."""
+    rows = [("case", "pinstage us", "+-", "baseline us", "+-", "speedup", "stalls")]
     for c in report["cases"]:
         rows.append((c["name"], f"{c['pinstage_us']:.1f}", f"{c['pinstage_spread_us']:.1f}",
                      f"{c['baseline_us']:.1f}", f"{c['baseline_spread_us']:.1f}",
-                     f"{c['speedup']:.2f}x"))
+                     f"{c['speedup']:.2f}x", str(c.get("pinstage_host_stalls", ""))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for k, r in enumerate(rows):
@@ -148,6 +278,20 @@ def format_table(report: dict[str, Any]) -> str:
                                for i, v in enumerate(r)))
         if k == 0:
             lines.append("  ".join("-" * w for w in widths))
+    for sk in report.get("skipped", []):
+        lines.append(f"skipped: {sk['name']} ({sk['reason']})")
+    return "\n".join(lines)
+
+
+def format_goals(goals: dict[str, dict[str, Any]]) -> str:
+    """One line per goal: status, name, measured value and limit (or why it did not run)."""
+    lines = []
+    for name, g in goals.items():
+        if g["status"] == "not run":
+            lines.append(f"  not run  {name}: {g['reason']}")
+        else:
+            lines.append(f"  {g['status']:<7}  {name}: {g['value']:g} (goal {g['compare']} "
+                         f"{g['limit']:g})")
     return "\n".join(lines)
 
 
@@ -188,98 +332,292 @@ def write_plot(report: dict[str, Any], path: str) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    """``pinstage bench``: arguments and output paths are checked before anything runs."""
+    from . import bench
+
     if args.plot and not _have("matplotlib"):
-        print(f"pinstage bench --plot needs matplotlib: {BENCH_EXTRA_HINT}", file=sys.stderr)
-        return 2
-    from .bench import run_suite
+        raise UsageError(f"--plot needs matplotlib: {BENCH_EXTRA_HINT}")
+    if args.case:
+        try:
+            bench.check_case_names(args.case)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    _check_device(args.device)
+    for path, flag in ((args.json, "--json"), (args.plot, "--plot")):
+        if path:
+            _check_output(path, flag)
+    if args.plot:
+        _check_plot_format(args.plot)
+    try:
+        device = bench.resolve_target(args.device)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise UsageError(str(exc)) from None
+    _log_warnings_to_stderr()
 
     cb, close = _progress_printer()
     try:
-        report = run_suite(quick=args.quick, device=args.device, progress=cb,
-                           only=args.case or None)
+        report = bench.run_suite(quick=args.quick, device=device, progress=cb,
+                                 only=args.case or None)
     finally:
         close()
     print(f"pinstage bench: target {report['target']} ({report['device_name']}), "
           f"{'quick' if args.quick else 'full'} run")
     print(format_table(report))
     sim = report["simulator"]
-    print(f"simulator: h2d_many of 8 arrays = {sim['h2d_many_8_transfers']} transfer(s) "
-          f"(8 separate calls: {sim['separate_8_transfers']}); host stalls in 50 steady-state "
-          f"engine steps: {sim['steady_state_host_stalls_50_steps']}")
+    if sim:
+        print(f"simulator: h2d_many of 8 arrays = {sim['h2d_many_8_transfers']} transfer(s) "
+              f"(8 separate calls: {sim['separate_8_transfers']}); host stalls in 50 "
+              f"steady-state engine steps: {sim['steady_state_host_stalls_50_steps']}")
+    print("goals:")
+    print(format_goals(report["goals"]))
+    if report["interrupted"]:
+        print(f"pinstage bench: interrupted; {len(report['cases'])} finished case(s) above"
+              + (f" and in {args.json}" if args.json else ""), file=sys.stderr)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.json}")
-    if args.plot:
-        write_plot(report, args.plot)
-        print(f"wrote {args.plot}")
-    return 0
+        _write(args.json, "--json", lambda: _write_json(report, args.json))
+    if args.plot and report["cases"]:
+        _write(args.plot, "--plot", lambda: write_plot(report, args.plot))
+    return 130 if report["interrupted"] else 0
+
+
+def _write_json(report: dict[str, Any], path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+
+
+def _write(path: str, flag: str, write: Callable[[], None]) -> None:
+    try:
+        write()
+    except OSError as exc:
+        raise UsageError(f"{flag} {path!r} could not be written: {exc.strerror or exc}") from None
+    print(f"wrote {path}")
 
 
 # -- audit ------------------------------------------------------------------------------------
 
+_PYTHON = re.compile(r"python(\d+(\.\d+)*)?[mtw]?(\.exe)?")
 
-def cmd_audit(args: argparse.Namespace) -> int:
-    cmd = list(args.command)
+
+def _is_python(word: str) -> bool:
+    base = os.path.basename(word)
+    if _PYTHON.fullmatch(base):
+        return True
+    try:
+        return os.path.samefile(word, sys.executable)
+    except OSError:
+        return False
+
+
+def parse_program(command: list[str]) -> tuple[str, str, list[str]]:
+    """``[--] [python] (SCRIPT | -c CODE | -m MODULE) [ARGS...]`` -> (kind, target, argv),
+    kind ``"script"``, ``"-c"`` or ``"-m"``, argv as Python would set ``sys.argv``."""
+    cmd = list(command)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
-    if cmd and os.path.basename(cmd[0]).startswith("python"):
+    if cmd and _is_python(cmd[0]):
         cmd = cmd[1:]
     if not cmd:
-        print("usage: pinstage audit [--strict] -- python script.py [args]", file=sys.stderr)
-        return 2
+        raise UsageError(f"no program given; usage: {AUDIT_USAGE}")
+    first, rest = cmd[0], cmd[1:]
+    for flag in ("-c", "-m"):
+        if first.startswith(flag):
+            target = first[2:]
+            if not target:
+                if not rest:
+                    raise UsageError(f"python {flag} needs an argument "
+                                     f"({'the code to run' if flag == '-c' else 'a module'})")
+                target, rest = rest[0], rest[1:]
+            return flag, target, [flag if flag == "-c" else target, *rest]
+    if first.startswith("-") and first != "-":
+        raise UsageError(f"python option {first!r} is not supported: pinstage audit runs the "
+                         "program in its own process and accepts SCRIPT, -c CODE or -m MODULE")
+    if not os.path.exists(first):
+        raise UsageError(f"can't open file {first!r}: no such file or directory")
+    return "script", first, [first, *rest]
+
+
+def _check_module(name: str) -> None:
+    """Raise ``UsageError`` if ``python -m name`` would find nothing to run (looked up as
+    ``python -m`` does, with the current directory first on ``sys.path``)."""
+    import importlib.util
+
+    saved = list(sys.path)
+    sys.path.insert(0, os.getcwd())
+    try:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations is not None:
+            if importlib.util.find_spec(name + ".__main__") is None:
+                raise UsageError(f"{name!r} is a package without a __main__ module; it cannot "
+                                 "be run with -m")
+    except (ImportError, ValueError) as exc:
+        raise UsageError(f"no module named {name!r} ({exc})") from None
+    finally:
+        sys.path[:] = saved
+    if spec is None:
+        raise UsageError(f"no module named {name!r}")
+
+
+def _exec_code(code: str) -> None:
+    """Run ``code`` as ``python -c`` does: in a fresh ``__main__`` module."""
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = builtins
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = main
+    try:
+        exec(compile(code, "<string>", "exec"), main.__dict__)
+    finally:
+        if saved is not None:
+            sys.modules["__main__"] = saved
+
+
+def _exit_status(code: object) -> int:
+    """The exit status Python gives ``SystemExit(code)`` (a message is printed, status 1)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _print_program_traceback(exc: BaseException) -> None:
+    """Print ``exc`` as Python would for the program: without pinstage's and runpy's frames."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_globals.get("__name__") in (__name__, "runpy"):
+        tb = tb.tb_next
+    exc.__traceback__ = tb  # the standard hook prints the exception's own traceback
+    try:
+        sys.excepthook(type(exc), exc, tb)
+    except Exception:  # a broken hook set by the program: fall back to the standard one
+        traceback.print_exception(type(exc), exc, tb)
+
+
+def run_program(kind: str, target: str, argv: list[str]) -> int:
+    """Run the program in this process as ``python`` would; returns its exit status (1 for an
+    uncaught exception, whose traceback is printed; 130 for Ctrl-C)."""
+    old_argv, old_path = sys.argv, list(sys.path)
+    try:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)) if kind == "script"
+                        else "" if kind == "-c" else os.getcwd())
+        sys.argv = list(argv)
+        try:
+            if kind == "-c":
+                _exec_code(target)
+            elif kind == "-m":
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(target, run_name="__main__")
+        except SystemExit as exc:
+            return _exit_status(exc.code)
+        except KeyboardInterrupt as exc:
+            _print_program_traceback(exc)
+            return 130
+        except BaseException as exc:  # the program's own error: its output, not ours
+            _print_program_traceback(exc)
+            return 1
+        return 0
+    finally:
+        sys.argv = old_argv
+        sys.path[:] = old_path
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    """``pinstage audit``: run a program under ``audit()``; print the report even when it
+    fails; exit with its status (``--strict``: 1 if it succeeded but anything was found)."""
+    kind, target, argv = parse_program(args.command)
+    if kind == "-m":
+        _check_module(target)
     import pinstage
 
-    old_argv = sys.argv
-    code = 0
     with pinstage.audit() as report:
-        try:
-            if cmd[0] == "-m" and len(cmd) > 1:
-                sys.argv = cmd[1:]
-                runpy.run_module(cmd[1], run_name="__main__", alter_sys=True)
-            else:
-                sys.argv = cmd
-                sys.path.insert(0, os.path.dirname(os.path.abspath(cmd[0])))
-                runpy.run_path(cmd[0], run_name="__main__")
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        finally:
-            sys.argv = old_argv
+        status = run_program(kind, target, argv)
+    sys.stdout.flush()
     print(report.summary(), file=sys.stderr)
-    if args.strict and report.findings:
+    if args.strict and report.findings and status == 0:
         return 1
-    return code
+    return status
 
 
 # -- entry ------------------------------------------------------------------------------------
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (``pinstage bench: error: ...``), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pinstage", description="Host-to-device staging for "
-                                "PyTorch without hidden host stalls.")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    """The argument parser of the ``pinstage`` command."""
+    p = _Parser(prog="pinstage", description="Host-to-device staging for PyTorch without "
+                "hidden host stalls.")
+    p.add_argument("--version", action="version", version=f"pinstage {__version__}")
+    sub = p.add_subparsers(dest="cmd", metavar="{doctor,bench,audit}")
     d = sub.add_parser("doctor", help="what this machine can do, why, and advice")
     d.add_argument("--json", action="store_true", help="print one JSON object")
     d.add_argument("--device", default=None, help="target device (default: the best one)")
     d.add_argument("--no-probe", action="store_true", help="skip the GPU bandwidth probe")
     d.set_defaults(func=cmd_doctor)
     b = sub.add_parser("bench", help="pinstage vs the straightforward PyTorch way")
-    b.add_argument("--quick", action="store_true", help="fewer rounds (under a minute)")
+    b.add_argument("--quick", action="store_true", help="fewer rounds (seconds on a CPU)")
     b.add_argument("--json", metavar="PATH", help="write the results as JSON")
     b.add_argument("--plot", metavar="PATH", help="write a PNG chart (needs pinstage[bench])")
     b.add_argument("--device", default=None, help="target device (default: the best one)")
-    b.add_argument("--case", action="append", help="run only this case (repeatable)")
+    b.add_argument("--case", action="append", metavar="NAME",
+                   help="run only this case (repeatable)")
     b.set_defaults(func=cmd_bench)
-    a = sub.add_parser("audit", help="run a script under the hidden-sync audit")
-    a.add_argument("--strict", action="store_true", help="exit 1 if anything was found")
-    a.add_argument("command", nargs=argparse.REMAINDER, help="-- python script.py [args]")
+    a = sub.add_parser("audit", help="run a Python program under the hidden-sync audit",
+                       usage=AUDIT_USAGE)
+    a.add_argument("--strict", action="store_true",
+                   help="exit 1 if anything was found (and the program succeeded)")
+    a.add_argument("command", nargs=argparse.REMAINDER,
+                   help="-- python (SCRIPT | -c CODE | -m MODULE) [ARGS...]")
     a.set_defaults(func=cmd_audit)
     return p
 
 
+def _split_audit(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``audit``'s own options and the program's command line (which argparse would mangle:
+    ``-c``/``-m`` look like options). Options end at ``--`` or the first other word."""
+    opts: list[str] = []
+    for i, word in enumerate(argv):
+        if word == "--":
+            return opts, argv[i:]
+        if word in ("--strict", "-h", "--help"):
+            opts.append(word)
+            continue
+        if word.startswith("--"):
+            opts.append(word)  # argparse reports it as unknown
+            continue
+        return opts, argv[i:]
+    return opts, []
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    """Run the command line; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    program: list[str] | None = None
+    if argv and argv[0] == "audit":
+        opts, program = _split_audit(argv[1:])
+        argv = ["audit", *opts]
+    args = parser.parse_args(argv)
+    if args.cmd is None:
+        parser.print_help(sys.stderr)
+        print("pinstage: error: no command given; choose one of doctor, bench, audit (e.g. "
+              "pinstage doctor)", file=sys.stderr)
+        return 2
+    if program is not None:
+        args.command = program
+    try:
+        return int(args.func(args))
+    except UsageError as exc:
+        print(f"pinstage {args.cmd}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"pinstage {args.cmd}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,20 +1,48 @@
-"""pinstage doctor / bench / audit."""
+"""pinstage doctor / bench / audit, and the command line's handling of user mistakes."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
 
 import pytest
+import torch
 
-from pinstage import cli
+import pinstage
+from pinstage import bench, cli
 
 
-def run(*args: str) -> subprocess.CompletedProcess[str]:
+def run(*args: str, env: dict[str, str] | None = None,
+        cwd: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "pinstage", *args], capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, env=None if env is None else {**os.environ,
+                                                                                 **env},
+                          cwd=cwd)
+
+
+def main_in_process(capsys, *args: str) -> tuple[int, str, str]:
+    """``cli.main(args)`` as the command runs it (argparse's own exits included)."""
+    try:
+        code = cli.main(list(args))
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line(err: str) -> str:
+    """The single line a user mistake gives (and no traceback)."""
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 
 
 def test_doctor_prints_capabilities_and_advice():
@@ -118,3 +146,217 @@ def test_example_engine_step_runs(args):
         assert "'copies': 10" in proc.stdout and "'host_stalls': 0" in proc.stdout
     else:
         assert "no hidden syncs" in proc.stdout
+
+
+# -- user mistakes: one line, exit status 2, before any work ---------------------------------
+
+
+def test_version():
+    proc = run("--version")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"pinstage {pinstage.__version__}"
+
+
+def test_bare_command_prints_usage_and_exits_2():
+    proc = run()
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "usage: pinstage" in proc.stderr and "doctor" in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "pinstage: error: no command given; choose one of doctor, bench, audit (e.g. "
+        "pinstage doctor)")
+    assert "required" not in proc.stderr
+
+
+def test_bench_unknown_case_names_the_valid_ones():
+    proc = run("bench", "--case", "bogus")
+    assert proc.returncode == 2
+    line = one_line(proc.stderr)
+    assert line.startswith("pinstage bench: error: unknown case 'bogus'; valid cases: ")
+    assert all(name in line for name in bench.case_names())
+    assert proc.stdout == ""  # nothing ran
+
+
+@no_cuda
+@pytest.mark.parametrize("cmd", ["bench", "doctor"])
+def test_cuda_device_without_cuda_is_diagnosed(cmd):
+    proc = run(cmd, "--device", "cuda")
+    assert proc.returncode == 2
+    line = one_line(proc.stderr)
+    assert line.startswith(f"pinstage {cmd}: error: device 'cuda' is not available: ")
+    if torch.version.cuda is None:
+        assert "this torch build has no CUDA (CPU-only" in line
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("args, message", [
+    (["bench", "--device", "foo"], "device 'foo' is not a torch device"),
+    (["bench", "--device", "meta"], "device 'meta' cannot be benchmarked"),
+    (["doctor", "--device", "foo"], "device 'foo' is not a torch device"),
+    (["bench", "--json", "/nonexistent-pinstage-dir/b.json"],
+     "--json '/nonexistent-pinstage-dir/b.json' cannot be written: the directory"),
+    (["bench", "--plot", "/nonexistent-pinstage-dir/b.png"],
+     "--plot '/nonexistent-pinstage-dir/b.png' cannot be written: the directory"),
+    (["bench", "--case", "list_upload_256", "--case", "nope"], "unknown case 'nope'"),
+    (["bench", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+])
+def test_bench_and_doctor_mistakes_in_process(capsys, args, message):
+    code, out, err = main_in_process(capsys, *args)
+    assert code == 2
+    assert message in one_line(err)
+    assert out == ""
+
+
+def test_output_path_under_a_file_or_a_directory(capsys, tmp_path):
+    afile = tmp_path / "file.txt"
+    afile.write_text("x")
+    code, out, err = main_in_process(capsys, "bench", "--json", str(afile / "b.json"))
+    assert code == 2 and "is not a directory" in one_line(err) and out == ""
+    code, out, err = main_in_process(capsys, "bench", "--json", str(tmp_path))
+    assert code == 2 and "is a directory" in one_line(err) and out == ""
+    assert sorted(os.listdir(tmp_path)) == ["file.txt"]  # the write check leaves nothing
+
+
+def test_unwritable_output_dir(capsys, tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(cli.tempfile, "mkstemp", refuse)  # root may write anywhere
+    code, out, err = main_in_process(capsys, "bench", "--json", str(tmp_path / "b.json"))
+    assert code == 2 and out == ""
+    assert one_line(err).endswith("cannot be written: Permission denied")
+
+
+def test_plot_format_checked_before_running(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    code, out, err = main_in_process(capsys, "bench", "--plot", str(tmp_path / "b.foo"))
+    assert code == 2 and out == ""
+    assert "matplotlib cannot write .foo files; use one of" in one_line(err)
+
+
+def test_bad_environment_setting_is_one_line():
+    proc = run("doctor", env={"PINSTAGE_PIN_MEMORY": "maybe"})
+    assert proc.returncode == 2
+    assert "PINSTAGE_PIN_MEMORY='maybe' is not a valid setting" in one_line(proc.stderr)
+
+
+# -- bench: interrupts ----------------------------------------------------------------------
+
+
+def test_bench_interrupt_keeps_finished_cases(monkeypatch, capsys, tmp_path):
+    first = next(c for c in bench.CASES if c.name == "list_upload_256")
+
+    def interrupted(device):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "CASES", [first, bench.Case("explodes", "Ctrl-C", interrupted)])
+    path = tmp_path / "b.json"
+    code, out, err = main_in_process(capsys, "bench", "--quick", "--json", str(path))
+    assert code == 130
+    assert "Traceback" not in err and "interrupted" in err
+    assert "list_upload_256" in out  # the partial table
+    data = json.loads(path.read_text())
+    assert data["interrupted"] is True
+    assert [c["name"] for c in data["cases"]] == ["list_upload_256"]
+    assert data["simulator"] is None
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_bench_sigint_in_a_subprocess(tmp_path):
+    path = tmp_path / "b.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pinstage", "bench", "--case", "list_upload_256",
+         "--case", "staged_writes_256x16", "--case", "engine_step_256", "--json", str(path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        seen = []
+        for line in proc.stderr:  # plain progress lines: stderr is not a terminal
+            seen.append(line)
+            if line.startswith("[1/3]"):  # the first case has finished
+                proc.send_signal(signal.SIGINT)
+                break
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    err = "".join(seen) + err
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "interrupted" in err
+    data = json.loads(path.read_text())
+    assert data["interrupted"] is True
+    assert data["cases"] and data["cases"][0]["name"] == "list_upload_256"
+    assert "list_upload_256" in out
+
+
+# -- audit --------------------------------------------------------------------------------------
+
+
+SYNCING = textwrap.dedent("""
+    import sys, torch
+    torch.empty(3, device="meta").copy_(torch.ones(3))
+    print("argv", sys.argv)
+""")
+
+
+def test_audit_dash_c_like_python():
+    code = SYNCING + "raise SystemExit(7)\n"
+    proc = run("audit", "--", "python", "-c", code, "a", "b")
+    assert proc.returncode == 7
+    assert "argv ['-c', 'a', 'b']" in proc.stdout
+    assert "blocking-h2d" in proc.stderr and "<string>:3" in proc.stderr
+
+
+def test_audit_dash_m_without_python_or_dashes(tmp_path):
+    (tmp_path / "engine_mod.py").write_text(SYNCING)
+    proc = run("audit", "-m", "engine_mod", "x", cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert f"argv [{str(tmp_path / 'engine_mod.py')!r}, 'x']" in proc.stdout
+    assert "blocking-h2d" in proc.stderr
+
+
+def test_audit_script_that_raises_keeps_the_report(tmp_path):
+    script = tmp_path / "crash.py"
+    script.write_text(SYNCING + "def f():\n    raise ValueError('boom')\nf()\n")
+    proc = run("audit", "--strict", str(script))
+    assert proc.returncode == 1  # the script's status: an uncaught exception
+    err = proc.stderr
+    assert err.index("Traceback (most recent call last):") < err.index("ValueError: boom")
+    assert "cli.py" not in err and "runpy" not in err  # the program's traceback, as Python's
+    assert err.index("ValueError: boom") < err.index("pinstage audit: 1 hidden sync")
+    assert "crash.py:3" in err
+
+
+def test_audit_exit_status_of_system_exit(tmp_path):
+    script = tmp_path / "leave.py"
+    script.write_text("import sys\nsys.exit(5)\n")
+    assert run("audit", str(script)).returncode == 5
+    proc = run("audit", "--strict", "-c", "import sys; sys.exit('bye')")
+    assert proc.returncode == 1 and "bye" in proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--", "python", "missing_script.py"], "can't open file 'missing_script.py'"),
+    (["-m", "no_such_module_pinstage"], "no module named 'no_such_module_pinstage'"),
+    (["-c"], "python -c needs an argument"),
+    ([], "no program given; usage: pinstage audit"),
+    (["--", "python", "-O", "x.py"], "python option '-O' is not supported"),
+])
+def test_audit_mistakes(capsys, args, message):
+    code, out, err = main_in_process(capsys, "audit", *args)
+    assert code == 2 and out == ""
+    line = one_line(err)
+    assert line.startswith("pinstage audit: error: ") and message in line
+
+
+def test_audit_missing_script_in_a_subprocess():
+    proc = run("audit", "--strict", "--", "python", "missing_script.py", "arg")
+    assert proc.returncode == 2
+    assert one_line(proc.stderr) == ("pinstage audit: error: can't open file "
+                                     "'missing_script.py': no such file or directory")
+
+
+def test_audit_parse_program():
+    assert cli.parse_program(["--", "python3", "-c", "pass", "x"]) == ("-c", "pass", ["-c", "x"])
+    assert cli.parse_program(["-cpass"]) == ("-c", "pass", ["-c"])
+    assert cli.parse_program([sys.executable, "-m", "mod", "a"]) == ("-m", "mod", ["mod", "a"])
+    assert cli.parse_program(["-mmod"]) == ("-m", "mod", ["mod"])
