@@ -18,10 +18,11 @@ from ._buffers import (
     set_default_max_concurrency,
 )
 from ._capabilities import Capabilities, capabilities, is_pin_memory_available, is_uva_available
+from ._compat import async_copy_to_gpu, get_accelerator_view_from_cpu_tensor
 from ._copies import async_tensor_h2d, h2d_many, np_to_pinned_tensor, synchronize
 from ._errors import PinstageError, ValueOverflowError
 from ._memory import host_memory_stats
-from ._staged import StagedWriteTensor
+from ._staged import FusedStagedWriter, StagedWriteTensor
 
 __version__ = "0.1.0"
 
@@ -29,6 +30,7 @@ __all__ = [
     "Capabilities",
     "CpuGpuBuffer",
     "Finding",
+    "FusedStagedWriter",
     "HiddenSyncError",
     "NonUvaBuffer",
     "PIN_MEMORY",
@@ -39,9 +41,11 @@ __all__ = [
     "UvaBuffer",
     "UvaBufferPool",
     "ValueOverflowError",
+    "async_copy_to_gpu",
     "async_tensor_h2d",
     "audit",
     "capabilities",
+    "get_accelerator_view_from_cpu_tensor",
     "h2d_many",
     "host_memory_stats",
     "is_pin_memory_available",

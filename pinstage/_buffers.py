@@ -71,23 +71,37 @@ def _shape(size: Any, what: str = "size") -> tuple[int, ...]:
 
 
 def _check_n(n: Any, rows: int) -> int:
+    """``n`` rows as Python slicing reads ``[:n]`` (above ``rows`` means all, as in vLLM); a
+    negative ``n`` is refused (``[:-1]`` would silently drop the last row)."""
     if n is None:
         return rows
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
         raise TypeError(f"n must be an int or None, got {describe(n)}")
-    if not 0 <= n <= rows:
-        raise ValueError(f"n={n} is outside 0..{rows} (the buffer's first dimension)")
-    return int(n)
+    if n < 0:
+        raise ValueError(f"n={n} is negative; expected 0 <= n (n above {rows}, the buffer's "
+                         "first dimension, means the whole buffer)")
+    return min(int(n), rows)
 
 
 def _host(backend: Backend, shape: tuple[int, ...], dtype: torch.dtype,
           pinned: bool) -> torch.Tensor:
-    """Zero-filled host memory; pinned (exact size) when asked."""
-    if not pinned:
-        return torch.zeros(shape, dtype=dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize(dtype)
-    mem = backend.alloc_pinned(nbytes)
-    return mem.view(dtype).view(shape) if nbytes else torch.zeros(shape, dtype=dtype)
+    """Zero-filled host memory; pinned (exact size) when asked. Made outside inference mode,
+    so objects created under ``torch.inference_mode()`` can be written outside it."""
+    with torch.inference_mode(False):
+        if not pinned:
+            return torch.zeros(shape, dtype=dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize(dtype)
+        mem = backend.alloc_pinned(nbytes)
+        return mem.view(dtype).view(shape) if nbytes else torch.zeros(shape, dtype=dtype)
+
+
+def _device(backend: Backend, shape: tuple[int, ...], dtype: torch.dtype,
+            zero: bool = True) -> torch.Tensor:
+    """Device memory of ``shape`` (zero-filled when ``zero``), made outside inference mode."""
+    with torch.inference_mode(False):
+        if not backend.accelerator:
+            return torch.zeros(shape, dtype=dtype) if zero else torch.empty(shape, dtype=dtype)
+        return backend.zeros(shape, dtype) if zero else backend.empty(shape, dtype)
 
 
 class _Prefixes:
@@ -125,7 +139,8 @@ class CpuGpuBuffer:
     """A host tensor ``.cpu`` (with ``.np``) and a device tensor ``.gpu`` of one shape.
 
     ``.cpu`` is read in place by ``copy_to_gpu``: don't change ``.cpu[:n]`` until that copy has
-    completed (an event or ``synchronize()`` tells).
+    completed (an event or ``synchronize()`` tells). Calls from several threads at once are
+    fine (they share no state beyond the two tensors, as with torch's own copies).
     """
 
     def __init__(self, *size: Any, dtype: torch.dtype, device: Any,
@@ -148,15 +163,16 @@ class CpuGpuBuffer:
         self.dtype = dtype
         self.device = backend.device
         self.cpu = _host(backend, shape, dtype, pinned)
-        self.gpu = backend.zeros(shape, dtype) if backend.accelerator else \
-            torch.zeros(shape, dtype=dtype)
+        self.gpu = _device(backend, shape, dtype)
         self.np = self.cpu.numpy() if with_numpy else None
+        self._pinned = pinned  # known once: no is_pinned() driver query per copy
         self._prefix = _Prefixes(self.cpu, self.gpu)
 
     def copy_to_gpu(self, n: int | None = None) -> torch.Tensor:
         """Enqueue ``.cpu[:n] -> .gpu[:n]``; returns ``.gpu[:n]``."""
         cpu, gpu = self._prefix.get(_check_n(n, self.cpu.shape[0]))
-        self._backend.copy_h2d(gpu, cpu, "CpuGpuBuffer.copy_to_gpu")  # host -> device
+        self._backend.copy_h2d(gpu, cpu, "CpuGpuBuffer.copy_to_gpu",  # host -> device
+                               pinned=self._pinned)
         return gpu
 
     def copy_to_cpu(self, n: int | None = None) -> torch.Tensor:
@@ -168,9 +184,13 @@ class CpuGpuBuffer:
 
 class UvaBuffer:
     """Pinned host memory ``.cpu``/``.np`` and ``uva(n)``: a device tensor aliasing it, so host
-    writes are visible to the device with no copy call. Raises ``RuntimeError`` without UVA."""
+    writes are visible to the device with no copy call. Raises ``RuntimeError`` without UVA.
 
-    def __init__(self, size: Any, dtype: torch.dtype, device: Any = None) -> None:
+    ``cpu``: an existing pinned, contiguous tensor of ``size`` and ``dtype`` to wrap (no copy;
+    the caller keeps it alive as long as the device may read it)."""
+
+    def __init__(self, size: Any, dtype: torch.dtype, device: Any = None,
+                 cpu: torch.Tensor | None = None) -> None:
         shape = _shape(size)
         check_dtype(dtype)
         self._backend = backend = get_backend(device)
@@ -180,10 +200,14 @@ class UvaBuffer:
                                + "; ".join(caps.reasons) + " (use NonUvaBuffer)")
         self.dtype = dtype
         self.device = backend.device
-        self.cpu = _host(backend, shape, dtype, backend.accelerator)
+        if cpu is None:
+            self.cpu = _host(backend, shape, dtype, backend.accelerator)
+        else:
+            self.cpu = _wrap_pinned(backend, cpu, shape, dtype)
         self.np = _numpy(self.cpu)
         self._bytes = _raw(self.cpu)
-        self._view = backend.uva_view(self.cpu)
+        with torch.inference_mode(False):
+            self._view = backend.uva_view(self.cpu)
         self._prefix = _Prefixes(self._view)
 
     def uva(self, n: int | None = None) -> torch.Tensor:
@@ -191,9 +215,28 @@ class UvaBuffer:
         return self._prefix.get(_check_n(n, self.cpu.shape[0]))[0]
 
 
+def _wrap_pinned(backend: Backend, cpu: Any, shape: tuple[int, ...],
+                 dtype: torch.dtype) -> torch.Tensor:
+    """``cpu`` checked for :class:`UvaBuffer` to wrap: a pinned contiguous CPU tensor of
+    ``shape`` and ``dtype`` (any host tensor on the CPU target)."""
+    if not isinstance(cpu, torch.Tensor) or cpu.device.type != "cpu" or \
+            backend.is_device_tensor(cpu):
+        raise TypeError(f"cpu must be a pinned CPU tensor, got {describe(cpu)}")
+    if tuple(cpu.shape) != shape or cpu.dtype != dtype:
+        raise ValueError(f"cpu has shape {tuple(cpu.shape)} and dtype {cpu.dtype}; expected "
+                         f"{shape} and {dtype}")
+    if not cpu.is_contiguous():
+        raise ValueError(f"cpu must be contiguous, got strides {cpu.stride()}")
+    if backend.accelerator and not backend.is_pinned(cpu):
+        raise ValueError("cpu must be pinned host memory (a device view of pageable memory "
+                         "would read garbage); allocate it with pin_memory=True")
+    return cpu
+
+
 class NonUvaBuffer:
     """``UvaBuffer``'s interface without UVA: ``uva(n)`` copies ``.cpu[:n]`` into device memory
-    (reused by the next call; non-blocking where ``.cpu`` is pinned)."""
+    (reused by the next call; non-blocking where ``.cpu`` is pinned). One thread at a time: a
+    call while another thread is inside ``uva()`` raises ``RuntimeError``."""
 
     def __init__(self, size: Any, dtype: torch.dtype, device: Any = None) -> None:
         shape = _shape(size)
@@ -202,26 +245,52 @@ class NonUvaBuffer:
         caps = capabilities_for(backend)
         self.dtype = dtype
         self.device = backend.device
-        self.cpu = _host(backend, shape, dtype, caps.pin_memory)
+        self._pinned = caps.pin_memory
+        self.cpu = _host(backend, shape, dtype, self._pinned)
         self.np = _numpy(self.cpu)
         self._bytes = _raw(self.cpu)
-        self._dev = backend.empty(shape, dtype) if backend.accelerator else \
-            torch.empty(shape, dtype=dtype)
+        self._dev = _device(backend, shape, dtype, zero=False)
         self._prefix = _Prefixes(self.cpu, self._dev)
+        self._busy = threading.Lock()
 
     def uva(self, n: int | None = None) -> torch.Tensor:
         """Device memory holding ``.cpu[:n]`` as it is now."""
         cpu, dev = self._prefix.get(_check_n(n, self.cpu.shape[0]))
-        self._backend.copy_h2d(dev, cpu, "NonUvaBuffer.uva")  # host -> device
+        if not self._busy.acquire(False):
+            raise _busy_error("NonUvaBuffer.uva")
+        try:
+            self._backend.copy_h2d(dev, cpu, "NonUvaBuffer.uva",  # host -> device
+                                   pinned=self._pinned)
+        finally:
+            self._busy.release()
         return dev
+
+
+def _busy_error(what: str) -> RuntimeError:
+    return RuntimeError(f"{what} was called from two threads at once; this object serves one "
+                        "thread at a time (give each thread its own, or guard it with a lock)")
+
+
+class _Ring:
+    """One thread's slots of a :class:`UvaBufferPool` and the fences of their hand-outs."""
+
+    __slots__ = ("slots", "events", "curr", "last", "last_stream")
+
+    def __init__(self, n: int) -> None:
+        self.slots: list[UvaBuffer | NonUvaBuffer | None] = [None] * n
+        self.events: list[Any] = [None] * n
+        self.curr = -1
+        self.last: int | None = None  # the slot of the latest hand-out
+        self.last_stream: Any = None  # the stream current at that hand-out
 
 
 class UvaBufferPool:
     """Round-robin device-visible staging slots whose reuse is fenced.
 
-    At each hand-out the pool records an event for the previous one (whose device readers the
-    caller has enqueued by then); a slot is rewritten only after its event has completed, so
-    reuse never changes data the device may still read.
+    At each hand-out the pool records an event for the previous one, on the stream that was
+    current at that hand-out (where the caller queued its readers); a slot is rewritten only
+    after its event has completed, so reuse never changes data the device may still read.
+    Each thread rotates over its own slots, so threads never receive one another's data.
     """
 
     def __init__(self, size: Any, dtype: torch.dtype, max_concurrency: int | None = None,
@@ -233,15 +302,21 @@ class UvaBufferPool:
         self._backend = backend = get_backend(device)
         self.device = backend.device
         self.caps: Capabilities = capabilities_for(backend)
-        self._slots: list[UvaBuffer | NonUvaBuffer] = [
-            self._new_slot(self.size) for _ in range(self.max_concurrency)]
-        self._events: list[Any] = [None] * self.max_concurrency
-        self._curr = -1
-        self._last: int | None = None
+        self._local = threading.local()
+        ring = self._ring()
+        for i in range(self.max_concurrency):  # this thread's slots, made up front
+            ring.slots[i] = self._new_slot(self.size)
+
+    def _ring(self) -> _Ring:
+        ring: _Ring | None = getattr(self._local, "ring", None)
+        if ring is None:
+            ring = self._local.ring = _Ring(self.max_concurrency)
+        return ring
 
     def _new_slot(self, shape: tuple[int, ...]) -> UvaBuffer | NonUvaBuffer:
         cls = UvaBuffer if self.caps.uva else NonUvaBuffer
-        return cls(shape, self.dtype, self.device)
+        with torch.inference_mode(False):
+            return cls(shape, self.dtype, self.device)
 
     def _source(self, x: Any) -> HostSource:
         src = HostSource(x, self.dtype, self._backend, what="x")
@@ -253,20 +328,23 @@ class UvaBufferPool:
         return src
 
     def _take(self, rows: int) -> UvaBuffer | NonUvaBuffer:
-        """The next slot, once the device is done with it; grown when too small."""
-        if self._last is not None:
-            self._events[self._last] = self._backend.record_event(
-                self._backend.current_stream())
-        self._curr = (self._curr + 1) % self.max_concurrency
-        event = self._events[self._curr]
+        """This thread's next slot, once the device is done with it; grown when too small."""
+        backend = self._backend
+        ring = self._ring()
+        if ring.last is not None:  # fence the previous hand-out's readers, on their stream
+            ring.events[ring.last] = backend.record_event(ring.last_stream)
+        curr = ring.curr = (ring.curr + 1) % self.max_concurrency
+        event = ring.events[curr]
         if event is not None:
-            self._backend.wait_event(event)  # a host stall only if the device still reads it
-            self._events[self._curr] = None
-        self._last = self._curr
-        slot = self._slots[self._curr]
-        if rows > slot.cpu.shape[0]:
-            cap = 1 << (rows - 1).bit_length()
-            slot = self._slots[self._curr] = self._new_slot((cap, *self.size[1:]))
+            backend.wait_event(event)  # a host stall only if the device still reads it
+            ring.events[curr] = None
+        ring.last = curr
+        ring.last_stream = backend.current_stream()
+        slot = ring.slots[curr]
+        if slot is None or rows > slot.cpu.shape[0]:
+            cap = max(self.size[0], 1 << max(rows - 1, 0).bit_length())
+            # the old slot is unused now (its event completed): dropping it frees its memory
+            slot = ring.slots[curr] = self._new_slot((cap, *self.size[1:]))
         return slot
 
     def _fill(self, src: HostSource) -> tuple[UvaBuffer | NonUvaBuffer, int]:
@@ -293,14 +371,13 @@ class UvaBufferPool:
                                  f"expected {src_shape} and {self.dtype}")
         slot, rows = self._fill(src)
         backend = self._backend
-        dst = out if out is not None else (
-            backend.empty(src_shape, self.dtype) if backend.accelerator else
-            torch.empty(src_shape, dtype=self.dtype))
+        dst = out if out is not None else _device(backend, src_shape, self.dtype, zero=False)
         if isinstance(slot, UvaBuffer):
             backend.copy_d2d(dst, slot.uva(rows), "UvaBufferPool.copy_to_gpu")  # UVA -> device
         else:
             host = slot._prefix.get(rows)[0]  # slot.cpu[:rows]
-            backend.copy_h2d(dst, host, "UvaBufferPool.copy_to_gpu")  # host -> device
+            backend.copy_h2d(dst, host, "UvaBufferPool.copy_to_gpu",  # host -> device
+                             pinned=slot._pinned)
         return dst
 
 
@@ -314,12 +391,12 @@ class UvaBackedTensor:
         self.dtype = check_dtype(dtype)
         self.pool = UvaBufferPool(shape, dtype, max_concurrency, device)
         self.device = self.pool.device
-        self.cpu = torch.zeros(shape, dtype=dtype)
+        self.cpu = _host(self.pool._backend, shape, dtype, False)
         self.np = _numpy(self.cpu)
         self.gpu = self.pool.copy_to_uva(self.cpu)
 
     def copy_to_uva(self, n: int | None = None) -> torch.Tensor:
         """Upload ``.cpu[:n]``; updates and returns ``.gpu``."""
         n = _check_n(n, self.cpu.shape[0])
-        self.gpu = self.pool.copy_to_uva(self.cpu[:n])
-        return self.gpu
+        gpu = self.gpu = self.pool.copy_to_uva(self.cpu[:n])
+        return gpu

@@ -1,50 +1,48 @@
-"""``StagedWriteTensor``: many small writes into a device table, applied as one batch.
+"""``StagedWriteTensor`` and ``FusedStagedWriter``: many small writes into device tables,
+applied as one batch.
 
-Each ``stage_write`` is checked at once (row, columns, dtype range) and kept as bytes of the
-target dtype plus a 64-bit flat offset. ``apply_write`` packs the whole batch (int64 positions,
-then values) into one fenced slot of a :class:`UvaBufferPool` - read by the device through UVA,
-or moved by a single host-to-device copy without UVA - and enqueues one flat-index
-``scatter_`` that works on every device. Overlapping writes are resolved on the host (the
-last staged write wins) so the device scatter never sees duplicate positions.
+Each ``stage_write`` is checked at once (position, and the values by the one conversion rule)
+and kept as one ``(flat offset, length, bytes)`` entry, appended in one atomic list operation:
+several threads may stage into one table at once. ``apply_write`` resolves overlapping writes
+on the host (the last staged write wins, so the device never sees duplicate positions, whose
+order a GPU scatter does not define), packs int64 positions and values into a region of the
+device's pinned staging arena, and enqueues one flat-index ``scatter_`` per table that reads
+them through UVA, or after one host-to-device copy without UVA. The region is released as soon
+as the kernel is queued: the arena fences it with an event after that kernel, so a burst of
+applies with the device far behind never makes the host wait (only the arena's cap can).
 """
 
 from __future__ import annotations
 
-import array
 import struct
-from typing import Any, cast
+import threading
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from ._backend import get_backend
-from ._buffers import UvaBuffer, UvaBufferPool, _check_concurrency, get_default_max_concurrency
+from ._backend import Backend, get_backend
+from ._buffers import UvaBuffer, _check_concurrency, get_default_max_concurrency
 from ._capabilities import capabilities_for
+from ._convert import NotANumberError, values_bytes
 from ._dtypes import STRUCT_CODES, check_dtype, itemsize, packer, torch_to_numpy
-from ._errors import ValueOverflowError, describe
+from ._errors import describe
 from ._memory import align_up
 
-__all__ = ["StagedWriteTensor", "SUPPORTED_DTYPES"]
+__all__ = ["StagedWriteTensor", "FusedStagedWriter", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (torch.int32, torch.int64, torch.float32, torch.float16, torch.bfloat16,
                     torch.float64)
+_PACK_ERRORS = (struct.error, OverflowError, TypeError)
 
 
-def _scatter(flat: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> None:
-    """The apply kernel: ``flat[idx] = vals``. Positions are unique (resolved on the host) and
-    int64; ``scatter_`` runs on every device and is ~2.5x faster than ``index_put_`` on CPU."""
-    flat.scatter_(0, idx, vals)
-
-
-def _overlapping(starts: np.ndarray, lens: np.ndarray) -> bool:
-    """Whether any two staged runs ``[start, start+len)`` share a position."""
-    if starts.shape[0] < 2:
-        return False
-    if bool(np.all(starts[1:] >= starts[:-1] + lens[:-1])):  # increasing, disjoint: common
-        return False
-    order = np.argsort(starts, kind="stable")
-    s, e = starts[order], starts[order] + lens[order]
-    return bool(np.any(s[1:] < np.maximum.accumulate(e)[:-1]))
+def _scatter_all(*parts: torch.Tensor) -> None:
+    """The apply kernel: ``flat[idx] = vals`` for each (flat, idx, vals) triple. Positions are
+    unique per table (resolved on the host) and int64; ``scatter_`` runs on every device."""
+    for i in range(0, len(parts), 3):
+        parts[i].scatter_(0, parts[i + 1], parts[i + 2])
 
 
 def _as_int(x: Any, what: str) -> int:
@@ -58,12 +56,165 @@ def _as_int(x: Any, what: str) -> int:
     raise TypeError(f"{what} must be an int, got {describe(x)}")
 
 
+def _last_writes(starts: np.ndarray, lens: np.ndarray, idx: np.ndarray,
+                 length: int) -> np.ndarray | None:
+    """Where staged runs ``[start, start+len)`` overlap, a mask over the batch's values keeping
+    only the last staged write of each position; ``None`` when no two runs overlap.
+
+    Works on runs, not values: one sort of the run starts finds the clusters of overlapping
+    runs, and only the values of those runs are sorted (stably: staging order decides).
+    ``length``: the common length of all runs, or 0."""
+    w = starts.shape[0]
+    if w < 2:
+        return None
+    ends = starts + lens
+    if bool(np.all(starts[1:] >= ends[:-1])):  # increasing and disjoint: the common case
+        return None
+    order = np.argsort(starts, kind="stable")
+    reach = np.maximum.accumulate(ends[order])
+    joins = starts[order[1:]] < reach[:-1]  # sorted run k+1 overlaps one before it
+    if not bool(joins.any()):
+        return None
+    clustered = np.zeros(w, dtype=bool)  # runs sharing a cluster with another run
+    clustered[1:] = joins
+    clustered[:-1] |= joins
+    runs = np.sort(order[clustered])  # in staging order
+    if length:
+        vidx = (runs[:, None] * length + np.arange(length)).reshape(-1)
+    else:
+        first = np.cumsum(lens) - lens  # index of each run's first value in the batch
+        rl = lens[runs]
+        vidx = np.repeat(first[runs] - (np.cumsum(rl) - rl), rl) + np.arange(int(rl.sum()))
+    pos = idx[vidx]
+    by_pos = np.argsort(pos, kind="stable")  # equal positions stay in staging order
+    sorted_pos = pos[by_pos]
+    lost = sorted_pos[1:] == sorted_pos[:-1]  # a later write to the same position follows
+    keep = np.ones(idx.shape[0], dtype=bool)
+    keep[vidx[by_pos[:-1][lost]]] = False
+    return keep
+
+
+# Device views of whole staging blocks, per block: made once (a driver call on CUDA), dropped
+# with the block, so a retired block's pinned memory is never kept alive from here.
+_BLOCK_VIEWS: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDictionary()
+_BLOCK_VIEWS_LOCK = threading.Lock()
+
+
+def _uva_bytes(backend: Backend, region: Any, nbytes: int) -> torch.Tensor:
+    """A device view (uint8) of the first ``nbytes`` of a staging region."""
+    block = region.block
+    view = _BLOCK_VIEWS.get(block)
+    if view is None:
+        with torch.inference_mode(False):
+            view = backend.uva_view(block.tensor)
+        with _BLOCK_VIEWS_LOCK:
+            _BLOCK_VIEWS[block] = view
+    return view[region.start : region.start + nbytes]
+
+
+class _Batch:
+    """One table's staged writes resolved into unique int64 positions and their values."""
+
+    __slots__ = ("table", "count", "idx", "vals")
+
+    def __init__(self, table: StagedWriteTensor, count: int, idx: np.ndarray,
+                 vals: np.ndarray) -> None:
+        self.table = table
+        self.count = count  # staged entries it covers (removed once applied)
+        self.idx = idx
+        self.vals = vals
+
+
+class _Scratch:
+    """Reusable memory for the metadata of applies that need no fence: pageable host memory
+    (the copy from it is blocking) and device memory per stream (stream order protects it)."""
+
+    def __init__(self) -> None:
+        self.host: torch.Tensor | None = None
+        self.device: dict[Any, torch.Tensor] = {}
+
+    def host_bytes(self, n: int) -> torch.Tensor:
+        if self.host is None or self.host.numel() < n:
+            with torch.inference_mode(False):
+                self.host = torch.empty(max(n, 4096) * 2, dtype=torch.uint8)
+        return self.host[:n]
+
+    def device_bytes(self, backend: Backend, n: int) -> torch.Tensor:
+        stream = backend.current_stream()
+        buf = self.device.get(stream)
+        if buf is None or buf.numel() < n:
+            if len(self.device) >= 8:
+                self.device.clear()
+            with torch.inference_mode(False):
+                buf = self.device[stream] = backend.empty((max(n, 4096) * 2,), torch.uint8)
+        return buf[:n]
+
+
+def _apply(backend: Backend, batches: Sequence[_Batch], scratch: _Scratch, label: str) -> None:
+    """Enqueue the scatters of ``batches`` with at most one host-to-device copy in all."""
+    if not backend.accelerator:  # CPU target: the host arrays are device memory there
+        args: list[torch.Tensor] = []
+        for b in batches:
+            vals = torch.from_numpy(b.vals)
+            if b.table.dtype == torch.bfloat16:
+                vals = vals.view(torch.bfloat16)
+            args += [b.table._flat, torch.from_numpy(b.idx), vals]
+        _scatter_all(*args)
+        return
+    layout = []
+    nbytes = 0
+    for b in batches:
+        n = b.idx.shape[0]
+        voff = align_up(nbytes + n * 8)
+        layout.append((nbytes, voff, n))
+        nbytes = align_up(voff + n * b.table._itemsize)
+    caps = capabilities_for(backend)
+    if not caps.pin_memory:  # pageable: a plain (blocking) copy, scratch reused at once
+        host = scratch.host_bytes(nbytes)
+        _fill(host.numpy(), batches, layout)
+        dev = scratch.device_bytes(backend, nbytes)
+        backend.copy_h2d(dev, host, label)  # host -> device, blocking: pinning is off
+        _launch(backend, dev, batches, layout, label)
+        return
+    arena = backend.arena()
+    region = arena.alloc(nbytes)
+    try:
+        block = region.block
+        _fill(block.np[region.start : region.start + nbytes], batches, layout)
+        if caps.uva:
+            dev = _uva_bytes(backend, region, nbytes)  # the kernel reads pinned memory
+        else:
+            dev = scratch.device_bytes(backend, nbytes)
+            backend.copy_h2d(dev, region.tensor(nbytes), label, pinned=True)  # host -> device
+        _launch(backend, dev, batches, layout, label)
+    finally:
+        arena.release(region)  # fenced by an event after the kernel that reads it
+
+
+def _fill(mem: np.ndarray, batches: Sequence[_Batch], layout: list[tuple[int, int, int]]
+          ) -> None:
+    for b, (ioff, voff, n) in zip(batches, layout):
+        mem[ioff : ioff + n * 8].view(np.int64)[:] = b.idx  # host write into staging
+        mem[voff : voff + b.vals.nbytes].view(b.vals.dtype)[:] = b.vals
+
+
+def _launch(backend: Backend, dev: torch.Tensor, batches: Sequence[_Batch],
+            layout: list[tuple[int, int, int]], label: str) -> None:
+    args: list[torch.Tensor] = []
+    for b, (ioff, voff, n) in zip(batches, layout):
+        t = b.table
+        args += [t._flat, dev[ioff : ioff + n * 8].view(torch.int64),
+                 dev[voff : voff + n * t._itemsize].view(t.dtype)]
+    backend.launch(_scatter_all, *args, writes=tuple(args[0::3]), label=label)
+
+
 class StagedWriteTensor:
     """A device tensor ``.gpu`` (``rows`` or ``(rows, cols)``) updated by staged writes.
 
-    ``stage_write(i, start, values)`` means ``gpu[i, start:start+len(values)] = values`` later;
-    ``apply_write()`` enqueues all staged writes, in staging order, with at most one
-    host-to-device copy. The metadata slots are reused only after the device has read them.
+    ``stage_write(i, start, x)`` means ``gpu[i, start:start+len(x)] = x`` later (1-D, as in
+    vLLM: ``gpu[i+start : i+start+len(x)] = x``); ``apply_write()`` enqueues every staged
+    write, in staging order, with at most one host-to-device copy. Staging is thread-safe;
+    ``apply_write``/``clear_staged_writes`` from several threads are serialised.
     """
 
     def __init__(self, size: Any, dtype: torch.dtype, device: Any,
@@ -95,213 +246,180 @@ class StagedWriteTensor:
         self.device = backend.device
         caps = capabilities_for(backend)
         self._uva_buf: UvaBuffer | None = None
-        if uva_instead_of_gpu and caps.uva:
-            self._uva_buf = UvaBuffer(self.shape, dtype, self.device)
-            self.gpu = self._uva_buf.uva()
-        elif backend.accelerator:
-            self.gpu = backend.zeros(self.shape, dtype)
-        else:
-            self.gpu = torch.zeros(self.shape, dtype=dtype)
-        self._flat = self.gpu.view(-1)
-        self._meta = UvaBufferPool(4096, torch.uint8, self.max_concurrency, self.device)
+        with torch.inference_mode(False):  # usable outside inference_mode too
+            if uva_instead_of_gpu and caps.uva:
+                self._uva_buf = UvaBuffer(self.shape, dtype, self.device)
+                self.gpu = self._uva_buf.uva()
+            elif backend.accelerator:
+                self.gpu = backend.zeros(self.shape, dtype)
+            else:
+                self.gpu = torch.zeros(self.shape, dtype=dtype)
+            self._flat = self.gpu.view(-1)
         self._itemsize = itemsize(dtype)
         self._code = STRUCT_CODES.get(dtype)
-        self._np_dtype = torch_to_numpy(dtype)
+        npdt = torch_to_numpy(dtype)
+        self._np_dtype = npdt if npdt is not None else np.dtype(np.int16)  # bfloat16 bits
+        # (rows, flat stride of a row, k, limit): a write of n values at (i, s) is inside
+        # when 0 <= i < rows, 0 <= s and i*k + s + n <= limit; 2-D: k=0, limit=cols; 1-D
+        # (vLLM's meaning, gpu[i+s : i+s+n]): stride 1, k=1, limit=rows.
+        if len(self.shape) == 2:
+            self._geom = (self.num_rows, self.num_cols, 0, self.num_cols)
+        else:
+            self._geom = (self.num_rows, 1, 1, self.num_rows)
         self._packers: dict[int, struct.Struct] = {}
-        self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
-        self._writes = array.array("q")  # flat offset, length of each staged write
-        self._chunks: list[bytes] = []  # their values, already in the target dtype
-        self.stage_write = self._fast_stage_write()  # type: ignore[method-assign]
+        self._staged: list[tuple[int, int, bytes]] = []  # (flat offset, length, values)
+        self._lock = threading.Lock()  # apply/clear; staging needs none (one list append)
+        self._scratch = _Scratch()
 
     # -- staging -----------------------------------------------------------------------------
     def clear_staged_writes(self) -> None:
         """Drop every staged write."""
-        del self._writes[:]
-        self._chunks.clear()
+        with self._lock:
+            del self._staged[:]
 
     @property
     def num_staged(self) -> int:
         """Number of values staged (not calls)."""
-        return sum(self._writes[1::2])
+        return sum(e[1] for e in self._staged[:])
 
-    def stage_write(self, index: int, start: int, values: Any) -> None:
-        """Stage ``gpu[index, start:start+len(values)] = values``; checked now.
+    def stage_write(self, index: int, start: int, x: Any) -> None:
+        """Stage ``gpu[index, start:start+len(x)] = x`` (1-D: ``gpu[index+start:...]``);
+        position and values are checked now. ``x``: any iterable of numbers, an array or a
+        CPU tensor."""
+        # The engine's hot loop: ints, a list, a size seen before. One cached struct packs
+        # and range-checks the values in C; one list append records the write atomically.
+        if type(index) is int and type(start) is int and type(x) is list:
+            rows, stride, k, limit = self._geom
+            n = len(x)
+            if 0 < n and 0 <= index < rows and 0 <= start and index * k + start + n <= limit:
+                st = self._packers.get(n)
+                if st is not None:
+                    try:
+                        self._staged.append((index * stride + start, n, st.pack(*x)))
+                        return
+                    except _PACK_ERRORS:
+                        pass  # the general path says what is wrong
+        self._stage_general(index, start, x)
 
-        (Instances answer this name with the closure made by ``_fast_stage_write``, which
-        handles the common case - Python ints and a list - and calls this for the rest.)"""
+    def _stage_general(self, index: Any, start: Any, x: Any) -> None:
         row = _as_int(index, "index")
         col = _as_int(start, "start")
-        data, n = self._encode(values)
-        if not 0 <= row < self.num_rows or col < 0 or col + n > self.num_cols:
-            raise IndexError(f"staged write at row {row}, columns {col}..{col + n}, is outside "
-                             f"the {self.shape} tensor")
+        data, n = values_bytes(x, self.dtype, "x", self._backend)
+        rows, stride, k, limit = self._geom
+        if not (0 <= row < rows and 0 <= col and row * k + col + n <= limit):
+            if k:
+                where = f"elements {row + col}..{row + col + n} (index {row} + start {col})"
+            else:
+                where = f"row {row}, columns {col}..{col + n},"
+            raise IndexError(f"staged write at {where} is outside the {self.shape} tensor")
         if n == 0:
             return
-        if self._code is not None and n not in self._packers:
+        if self._code is not None and n not in self._packers and len(self._packers) < 256:
             self._packers[n] = packer(self._code, n)  # the fast path handles this size now
-        self._record(row, col, n, data)
-
-    def _fast_stage_write(self) -> Any:
-        """The engine's hot loop calls ``stage_write`` thousands of times per step, so the
-        common case runs in a closure over locals (no attribute lookups): one cached struct
-        packs and range-checks the values in C; anything else takes the general path, which
-        says what is wrong."""
-        rows, cols = self.num_rows, self.num_cols
-        packers = self._packers
-        add_write = self._writes.append
-        add_chunk = self._chunks.append
-        general = StagedWriteTensor.stage_write.__get__(self)
-        errors = (struct.error, OverflowError, TypeError)
-
-        def stage_write(index: int, start: int, values: Any) -> None:
-            if type(index) is int and type(start) is int and type(values) is list:
-                n = len(values)
-                if 0 < n and 0 <= index < rows and 0 <= start and start + n <= cols:
-                    st = packers.get(n)
-                    if st is not None:
-                        try:
-                            data = st.pack(*values)
-                        except errors:
-                            pass
-                        else:
-                            add_write(index * cols + start)
-                            add_write(n)
-                            add_chunk(data)
-                            return
-            general(index, start, values)
-
-        stage_write.__doc__ = StagedWriteTensor.stage_write.__doc__
-        return stage_write
+        self._staged.append((row * stride + col, n, data))
 
     def stage_write_elem(self, index: int, value: Any) -> None:
         """Stage ``gpu[index] = value`` (1-D) or ``gpu[index, 0] = value`` (2-D)."""
         row = _as_int(index, "index")
-        if isinstance(value, (list, tuple, np.ndarray)) or (
-                isinstance(value, torch.Tensor) and value.numel() != 1):
+        seq: Any
+        if isinstance(value, (np.ndarray, torch.Tensor)):
+            if int(np.prod(value.shape)) != 1:
+                raise TypeError(f"value must be a single number, got {describe(value)}")
+            seq = value.reshape(1)
+        elif isinstance(value, (int, float, np.number, np.bool_)):
+            seq = [value]
+        elif isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
             raise TypeError(f"value must be a single number, got {describe(value)}")
-        if isinstance(value, torch.Tensor):
-            value = value.reshape(1)
         else:
-            value = [value]
-        data, n = self._encode(value)
+            raise NotANumberError(f"value is {describe(value)}, which is not a number")
+        data, n = values_bytes(seq, self.dtype, "value", self._backend)
         if not 0 <= row < self.num_rows or self.num_cols < 1:
             raise IndexError(f"staged write at row {row} is outside the {self.shape} tensor")
-        self._record(row, 0, n, data)
-
-    def _record(self, row: int, col: int, n: int, data: bytes) -> None:
-        self._writes.append(row * self.num_cols + col)
-        self._writes.append(n)
-        self._chunks.append(data)
-
-    def _encode(self, values: Any) -> tuple[bytes, int]:
-        """Values as bytes of the target dtype; refuses what doesn't fit (never wraps)."""
-        if isinstance(values, (list, tuple)):
-            n = len(values)
-            if n == 0:
-                return b"", 0
-            if self._code is not None:
-                try:
-                    return packer(self._code, n).pack(*values), n
-                except (struct.error, OverflowError, TypeError):
-                    pass  # the array path below says exactly what is wrong
-            try:
-                arr = np.asarray(values)
-            except (ValueError, TypeError) as exc:
-                raise ValueError(f"values must be a flat list of numbers, got "
-                                 f"{describe(values)}: {exc}") from None
-            if arr.dtype.kind == "O" and all(isinstance(v, int) for v in values[:1]):
-                raise ValueOverflowError(f"values {describe(values)} hold an integer that does "
-                                         f"not fit {self.dtype}")
-        elif isinstance(values, np.ndarray):
-            arr = values
-        elif isinstance(values, torch.Tensor):
-            if values.device.type != "cpu" or self._backend.is_device_tensor(values):
-                raise TypeError(f"values must be host data, got a tensor on {values.device}")
-            if values.dtype == self.dtype and self.dtype == torch.bfloat16:
-                t = values.reshape(-1).contiguous()
-                return t.view(torch.int16).numpy().tobytes(), t.numel()
-            if values.dtype == torch.bfloat16:
-                values = values.float()
-            arr = values.numpy()
-        else:
-            raise TypeError(f"values must be a list, tuple, NumPy array or CPU tensor, got "
-                            f"{describe(values)}")
-        if arr.ndim != 1:
-            raise ValueError(f"values must be one-dimensional, got shape {arr.shape}")
-        if arr.dtype.kind not in "biuf":
-            raise TypeError(f"values must be numbers, got {arr.dtype} ({describe(values)})")
-        return self._convert(arr), int(arr.shape[0])
-
-    def _convert(self, arr: np.ndarray) -> bytes:
-        dtype = self.dtype
-        if arr.size == 0:
-            return b""
-        if not dtype.is_floating_point:
-            info = torch.iinfo(dtype)
-            if arr.dtype.kind == "f":
-                if not np.all(np.isfinite(arr)) or not np.all(arr == np.trunc(arr)):
-                    raise ValueError(f"values {describe(arr.tolist())} are not whole numbers; "
-                                     f"{dtype} holds integers only")
-            lo, hi = arr.min(), arr.max()
-            if lo < info.min or hi > info.max:
-                bad = lo if lo < info.min else hi
-                raise ValueOverflowError(f"value {bad} does not fit {dtype} "
-                                         f"({info.min}..{info.max})")
-            return arr.astype(self._np_dtype).tobytes()
-        src = arr.astype(np.float64)
-        if self._np_dtype is not None:
-            with np.errstate(over="ignore"):
-                out = src.astype(self._np_dtype)
-            outs = out
-        else:  # bfloat16: convert in torch
-            tout = torch.from_numpy(src).to(dtype)
-            outs = tout.float().numpy()
-            out = tout.view(torch.int16).numpy()
-        if np.any(np.isinf(outs) & np.isfinite(src)):
-            finfo = torch.finfo(dtype)
-            raise ValueOverflowError(f"a value in {describe(arr.tolist())} is outside {dtype}'s "
-                                     f"range (+-{finfo.max:.4g})")
-        return out.tobytes()
+        self._staged.append((row * self._geom[1], n, data))
 
     # -- applying ----------------------------------------------------------------------------
-    def apply_write(self) -> None:
-        """Enqueue device work that makes every staged write visible in ``.gpu``, in staging
-        order; clears the staged list. At most one host-to-device copy for the batch."""
-        if not self._writes:
-            return
-        w = np.frombuffer(self._writes.tobytes(), dtype=np.int64).reshape(-1, 2)
-        starts, lens = w[:, 0], w[:, 1]
+    def _batch(self) -> _Batch | None:
+        """The writes staged now, resolved (positions unique, the last staged write wins).
+        Entries staged meanwhile by other threads stay for the next apply."""
+        entries = self._staged[:]
+        k = len(entries)
+        if not k:
+            return None
+        offs, lens_t, chunks = zip(*entries)
+        starts = np.fromiter(offs, np.int64, k)
+        lens = np.fromiter(lens_t, np.int64, k)
         length = int(lens[0])
         if bool((lens == length).all()):  # all writes the same length (block-table appends)
             idx = (starts[:, None] + np.arange(length, dtype=np.int64)).reshape(-1)
-        else:  # position of value j: starts[w] + (j - first value index of write w)
+        else:  # position of value j: starts[w] + (j - index of write w's first value)
+            length = 0
             ends = np.cumsum(lens)
             idx = np.repeat(starts - (ends - lens), lens) + np.arange(int(ends[-1]),
                                                                       dtype=np.int64)
-        total = idx.shape[0]
-        vals = np.frombuffer(b"".join(self._chunks), np.uint8).view(
-            self._np_dtype if self._np_dtype is not None else np.int16)
-        if _overlapping(starts, lens):  # keep the last write of each position
-            _, last_rev = np.unique(idx[::-1], return_index=True)
-            keep = np.sort(total - 1 - last_rev)
+        vals = np.frombuffer(bytearray().join(chunks), self._np_dtype)
+        keep = _last_writes(starts, lens, idx, length)
+        if keep is not None:
             idx, vals = idx[keep], vals[keep]
-        n = idx.shape[0]
-        vbytes = n * self._itemsize
-        voff = align_up(n * 8)
-        nbytes = voff + vbytes
-        meta = self._meta
-        slot = meta._take(nbytes)  # fenced: waits only if the device still reads this slot
-        mem = cast(np.ndarray, slot.np)  # a uint8 slot always has a NumPy view
-        mem[: n * 8].view(np.int64)[:] = idx  # host write into pinned metadata
-        mem[voff:nbytes].view(vals.dtype)[:] = vals
-        dev = slot.uva(nbytes)  # UVA view, or one host -> device copy without UVA
-        views = self._views.get((id(dev), n))
-        if views is None or views[0] is not dev:  # typed views, reused while sizes repeat
-            if len(self._views) >= 64:
-                self._views.clear()
-            views = (dev, dev[: n * 8].view(torch.int64), dev[voff:nbytes].view(self.dtype))
-            self._views[(id(dev), n)] = views
-        _, d_idx, d_vals = views
-        self._backend.launch(_scatter, self._flat, d_idx, d_vals, writes=(self._flat,),
-                             label="StagedWriteTensor.apply_write")
-        self.clear_staged_writes()
+        return _Batch(self, k, idx, vals)
+
+    def apply_write(self) -> None:
+        """Enqueue device work that makes every staged write visible in ``.gpu``, in staging
+        order; clears the staged list. At most one host-to-device copy for the batch."""
+        with self._lock:
+            batch = self._batch()
+            if batch is None:
+                return
+            _apply(self._backend, [batch], self._scratch, "StagedWriteTensor.apply_write")
+            del self._staged[: batch.count]  # only once queued: a failed apply keeps them
+
+
+class FusedStagedWriter:
+    """Applies the staged writes of several :class:`StagedWriteTensor` (one per KV-cache
+    group, say; dtypes may differ) with one host-to-device copy for all of them.
+
+    ``max_writes`` and ``max_concurrency`` are vLLM's sizing hints: the metadata goes through
+    the pinned staging arena, which grows with the batch, so more writes are never refused."""
+
+    def __init__(self, device: Any, max_writes: int, max_concurrency: int | None = None) -> None:
+        if isinstance(max_writes, bool) or not isinstance(max_writes, (int, np.integer)):
+            raise TypeError(f"max_writes must be an int >= 0, got {describe(max_writes)}")
+        if max_writes < 0:
+            raise ValueError(f"max_writes must be >= 0, got {max_writes}")
+        self.max_writes = int(max_writes)
+        self.max_concurrency = _check_concurrency(
+            get_default_max_concurrency() if max_concurrency is None else max_concurrency)
+        self._backend = get_backend(device)
+        self.device = self._backend.device
+        self._scratch = _Scratch()
+        self._lock = threading.Lock()
+
+    def apply(self, tensors: Sequence[StagedWriteTensor], output_ptrs: Any = None,
+              output_strides: Any = None) -> None:
+        """Apply and clear the staged writes of every table in ``tensors`` (in staging order
+        per table) with one copy. ``output_ptrs``/``output_strides`` (vLLM's kernel
+        arguments) are accepted and not needed."""
+        if isinstance(tensors, StagedWriteTensor) or not isinstance(tensors, Iterable):
+            raise TypeError(f"tensors must be a sequence of StagedWriteTensor, got "
+                            f"{describe(tensors)}")
+        tables: list[StagedWriteTensor] = []
+        for i, t in enumerate(tensors):
+            if not isinstance(t, StagedWriteTensor):
+                raise TypeError(f"tensors[{i}] must be a StagedWriteTensor, got {describe(t)}")
+            if t.device != self.device:
+                raise ValueError(f"tensors[{i}] is on {t.device}; this FusedStagedWriter "
+                                 f"writes to {self.device}")
+            if all(t is not u for u in tables):
+                tables.append(t)
+        locks = [t._lock for t in sorted(tables, key=id)]  # one global order: no deadlock
+        with self._lock:
+            for lk in locks:
+                lk.acquire()
+            try:
+                batches = [b for b in (t._batch() for t in tables) if b is not None]
+                if batches:
+                    _apply(self._backend, batches, self._scratch, "FusedStagedWriter.apply")
+                    for b in batches:
+                        del b.table._staged[: b.count]
+            finally:
+                for lk in reversed(locks):
+                    lk.release()

@@ -13,6 +13,8 @@ CONTRACT_NAMES = {
     "NonUvaBuffer", "UvaBufferPool", "UvaBackedTensor", "StagedWriteTensor",
     "set_default_max_concurrency", "h2d_many", "host_memory_stats", "audit",
     "HiddenSyncError", "synchronize",
+    # section 8: vLLM compatibility
+    "FusedStagedWriter", "async_copy_to_gpu", "get_accelerator_view_from_cpu_tensor",
 }
 
 
@@ -21,6 +23,7 @@ def test_all_is_exactly_the_public_names():
     assert set(pinstage.__all__) == CONTRACT_NAMES | extra
     for name in pinstage.__all__:
         assert hasattr(pinstage, name), name
+    assert pinstage.__all__ == sorted(pinstage.__all__)
 
 
 def test_testing_module():

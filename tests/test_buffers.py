@@ -50,11 +50,14 @@ def test_cpugpubuffer_errors(target):
     with pytest.raises(TypeError):
         pinstage.CpuGpuBuffer("4", dtype=torch.int32, device=target.device)
     buf = pinstage.CpuGpuBuffer(4, dtype=torch.int32, device=target.device)
-    for n in (-1, 5):
-        with pytest.raises(ValueError, match="outside"):
+    for n in (-1, -5):
+        with pytest.raises(ValueError, match="negative"):
             buf.copy_to_gpu(n)
         with pytest.raises(ValueError):
             buf.copy_to_cpu(n)
+    with pytest.raises(TypeError):
+        buf.copy_to_gpu(1.5)
+    assert buf.copy_to_gpu(5).shape == (4,)  # above the size: the whole buffer (slicing)
     if not target.accelerator:
         with pytest.raises(RuntimeError):
             pinstage.CpuGpuBuffer(4, dtype=torch.int32, device=target.device, pin_memory=True)
@@ -81,8 +84,9 @@ def test_uva_buffer_aliases_host(target):
     target.sync()
     reference_equal(view, np.full((4, 2), 7))
     assert buf.uva(2).shape == (2, 2)
+    assert buf.uva(5).shape == (4, 2)  # Python slicing, as vLLM's .uva[:n]
     with pytest.raises(ValueError):
-        buf.uva(5)
+        buf.uva(-1)
 
 
 def test_non_uva_buffer_snapshot(target):
@@ -115,19 +119,21 @@ def test_pool_grows_to_power_of_two(target):
     v = pool.copy_to_uva(list(range(5)))
     target.sync()
     reference_equal(v, np.arange(5))
-    assert pool._slots[pool._curr].cpu.shape[0] == 8
+    ring = pool._ring()
+    slot = ring.slots[ring.curr]
+    assert slot is not None and slot.cpu.shape[0] == 8
 
 
 def test_pool_errors_leave_pool_unchanged(target):
     pool = pinstage.UvaBufferPool((4, 3), torch.float32, device=target.device)
-    curr = pool._curr
+    curr = pool._ring().curr
     with pytest.raises(ValueError, match="trailing"):
         pool.copy_to_uva(np.zeros((2, 2)))
     with pytest.raises(TypeError):
         pool.copy_to_uva("abc")
     with pytest.raises(ValueError):
         pool.copy_to_gpu(np.zeros((2, 3)), out=torch.zeros(3, 3))
-    assert pool._curr == curr
+    assert pool._ring().curr == curr
     with pytest.raises(ValueError):
         pinstage.UvaBufferPool(4, torch.int32, max_concurrency=0)
     with pytest.raises(TypeError):
@@ -198,4 +204,4 @@ def test_uva_backed_tensor(target):
     target.sync()
     reference_equal(t.gpu, np.arange(8).reshape(4, 2))
     with pytest.raises(ValueError):
-        t.copy_to_uva(7)
+        t.copy_to_uva(-1)

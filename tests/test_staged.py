@@ -53,8 +53,13 @@ def test_one_dimensional(target):
     swt.apply_write()
     target.sync()
     assert swt.gpu.tolist() == [7, 0, 0, 2**40, 0]
-    with pytest.raises(IndexError):
-        swt.stage_write(1, 0, [1, 2])
+    swt.stage_write(1, 2, [1, 2])  # vLLM's 1-D meaning: gpu[index+start : ...]
+    swt.apply_write()
+    target.sync()
+    assert swt.gpu.tolist() == [7, 0, 0, 1, 2]
+    for args in [(1, 3, [1, 2]), (-1, 1, [1]), (0, -1, [1]), (5, 0, [1])]:
+        with pytest.raises(IndexError, match="outside"):
+            swt.stage_write(*args)
     with pytest.raises(IndexError):
         swt.stage_write_elem(5, 1)
 
