@@ -746,3 +746,4 @@ def _device_name(dev: torch.device) -> str:
 
         return device_name(dev)
     return platform.processor() or platform.machine()
+
