@@ -296,13 +296,16 @@ def format_goals(goals: dict[str, dict[str, Any]]) -> str:
 
 
 def write_plot(report: dict[str, Any], path: str) -> None:
+    """A chart of the cases: time per call of both sides (log scale) and the speedup. A case
+    whose baseline is a floor (part of the work done bare) is grey and labelled so."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     cases = report["cases"]
-    names = [c["name"] for c in cases]
+    names = [c["name"] + (f"\n(baseline: {c['baseline_floor']}, a floor)"
+                          if c.get("baseline_floor") else "") for c in cases]
     ours = [c["pinstage_us"] for c in cases]
     base = [c["baseline_us"] for c in cases]
     speed = [c["speedup"] for c in cases]
@@ -316,11 +319,13 @@ def write_plot(report: dict[str, Any], path: str) -> None:
     ax1.set_yticks(y, names)
     ax1.set_xlabel("time per call, microseconds (log scale, lower is better)")
     ax1.legend(loc="lower right", fontsize=8)
-    colors = ["#2ca02c" if s >= 1 else "#d62728" for s in speed]
+    colors = ["#9aa5b1" if c.get("baseline_floor") else "#2ca02c" if s >= 1 else "#d62728"
+              for c, s in zip(cases, speed)]
     ax2.barh(y, speed, 0.6, color=colors)
     ax2.axvline(1.0, color="black", linewidth=0.8)
-    for yy, s in zip(y, speed):
-        ax2.text(s, yy, f" {s:.1f}x", va="center", fontsize=8)
+    for yy, s, c in zip(y, speed, cases):
+        label = f" {s:.2f}x of the floor" if c.get("baseline_floor") else f" {s:.1f}x"
+        ax2.text(s, yy, label, va="center", fontsize=8)
     ax2.set_xlabel("speedup = baseline / pinstage (higher is better)")
     ax2.set_xlim(0, max(speed) * 1.25 + 0.1)
     target = report["target"]

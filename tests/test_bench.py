@@ -59,6 +59,8 @@ def test_cpu_suite_reports_overlap_and_stage_write_goals():
     assert over["overlap_vs_disjoint"] == pytest.approx(
         over["pinstage_us"] / over["pinstage_disjoint_us"])
     assert "struct.pack" in cases["stage_write_call"]["what"]
+    assert cases["stage_write_call"]["baseline_floor"] == "struct.pack"
+    assert over["baseline_floor"] is None
     for c in cases.values():
         assert c["speedup"] == pytest.approx(c["baseline_us"] / c["pinstage_us"])
         assert c["pinstage_host_stalls"] == 0
