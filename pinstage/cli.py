@@ -438,6 +438,8 @@ def parse_program(command: list[str]) -> tuple[str, str, list[str]]:
                          "program in its own process and accepts SCRIPT, -c CODE or -m MODULE")
     if not os.path.exists(first):
         raise UsageError(f"can't open file {first!r}: no such file or directory")
+    if os.path.isdir(first) and not os.path.exists(os.path.join(first, "__main__.py")):
+        raise UsageError(f"can't find '__main__.py' in the directory {first!r}")
     return "script", first, [first, *rest]
 
 

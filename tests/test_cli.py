@@ -340,12 +340,14 @@ def test_audit_exit_status_of_system_exit(tmp_path):
     (["-c"], "python -c needs an argument"),
     ([], "no program given; usage: pinstage audit"),
     (["--", "python", "-O", "x.py"], "python option '-O' is not supported"),
+    (["--", "python", os.path.dirname(os.path.abspath(__file__))], "can't find '__main__.py'"),
+    (["--bogus", "x.py"], "unrecognized arguments: --bogus"),
 ])
 def test_audit_mistakes(capsys, args, message):
     code, out, err = main_in_process(capsys, "audit", *args)
     assert code == 2 and out == ""
     line = one_line(err)
-    assert line.startswith("pinstage audit: error: ") and message in line
+    assert line.startswith("pinstage") and ": error: " in line and message in line
 
 
 def test_audit_missing_script_in_a_subprocess():
