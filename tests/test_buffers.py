@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -205,3 +208,146 @@ def test_uva_backed_tensor(target):
     reference_equal(t.gpu, np.arange(8).reshape(4, 2))
     with pytest.raises(ValueError):
         t.copy_to_uva(-1)
+
+
+def test_uva_buffer_wraps_a_given_pinned_tensor(target):
+    if not pinstage.capabilities(target.device).uva:
+        return
+    host = pinstage.CpuGpuBuffer(6, dtype=torch.int32, device=target.device).cpu
+    buf = pinstage.UvaBuffer(6, torch.int32, target.device, cpu=host)
+    assert buf.cpu.data_ptr() == host.data_ptr()  # wrapped, not copied
+    host[:] = torch.arange(6, dtype=torch.int32)
+    target.sync()
+    reference_equal(buf.uva(3), np.arange(3))
+    with pytest.raises(ValueError, match="shape"):
+        pinstage.UvaBuffer(5, torch.int32, target.device, cpu=host)
+    with pytest.raises(TypeError):
+        pinstage.UvaBuffer(6, torch.int32, target.device, cpu=[0] * 6)
+    if target.accelerator:
+        with pytest.raises(ValueError, match="pinned"):
+            pinstage.UvaBuffer(6, torch.int32, target.device, cpu=torch.zeros(6, dtype=torch.int32))
+
+
+def test_copies_say_the_source_is_pinned(sim_target, monkeypatch):
+    """Pinnedness is a fact of the buffer, found once: each copy passes it to the backend."""
+    backend = sim_target.sim.backend
+    seen = []
+    original = backend.copy_h2d
+
+    def spy(dst, src, label="", pinned=False):
+        seen.append(pinned)
+        original(dst, src, label, pinned=pinned)
+
+    monkeypatch.setattr(backend, "copy_h2d", spy)
+    buf = pinstage.CpuGpuBuffer(4, dtype=torch.int32, device=sim_target.device)
+    buf.copy_to_gpu()
+    nonuva = pinstage.NonUvaBuffer(4, torch.int32, sim_target.device)
+    nonuva.uva()
+    pin = pinstage.capabilities(sim_target.device).pin_memory
+    assert seen == [pin, pin]
+
+
+def test_pool_fences_each_hand_out_on_its_own_stream(monkeypatch):
+    """The event fencing a hand-out is recorded on the stream current at that hand-out (where
+    its readers were queued), not on the stream current at the next one."""
+    with simulated_accelerator("lazy") as sim:
+        backend = sim.backend
+        stream = ["A"]
+        recorded = []
+        original = backend.record_event
+        monkeypatch.setattr(backend, "current_stream", lambda: stream[0])
+
+        def record(s):
+            recorded.append(s)
+            return original(s)
+
+        monkeypatch.setattr(backend, "record_event", record)
+        pool = pinstage.UvaBufferPool(4, torch.int32, max_concurrency=2, device=sim.device)
+        pool.copy_to_uva([1])  # hand-out on A
+        stream[0] = "B"
+        pool.copy_to_uva([2])  # hand-out on B: fences the first one, on A
+        stream[0] = "C"
+        pool.copy_to_gpu([3])  # fences the second one, on B
+        assert recorded[:2] == ["A", "B"]
+
+
+def test_pool_shared_by_threads_never_returns_another_threads_data(target):
+    if target.sim is not None:
+        pytest.skip("the simulator is made thread-safe separately (issue 10); CPU target here")
+    pool = pinstage.UvaBufferPool((3,), torch.int64, max_concurrency=2, device=target.device)
+    bad: list[object] = []
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+
+    def work(t: int) -> None:
+        try:
+            for i in range(1500):
+                x = [t, i, t * i]
+                a = pool.copy_to_uva(x)
+                if a.tolist() != x:
+                    bad.append(("uva", t, i, a.tolist()))
+                g = pool.copy_to_gpu(x)
+                if g.tolist() != x:
+                    bad.append(("gpu", t, i, g.tolist()))
+        except RuntimeError as exc:  # refusing concurrent use is allowed; wrong data is not
+            assert "thread" in str(exc)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            bad.append(exc)
+
+    try:
+        ts = [threading.Thread(target=work, args=(t,)) for t in range(6)]
+        for th in ts:
+            th.start()
+        for th in ts:
+            th.join(60)
+    finally:
+        sys.setswitchinterval(old)
+    assert not bad, bad[:5]
+
+
+def test_non_uva_buffer_refuses_a_second_thread_inside_uva(monkeypatch):
+    with simulated_accelerator("lazy", uva=False) as sim:
+        buf = pinstage.NonUvaBuffer(4, torch.int32, sim.device)
+        backend = sim.backend
+        original = backend.copy_h2d
+        outcome = []
+
+        def slow_copy(dst, src, label="", pinned=False):
+            def other():
+                try:
+                    buf.uva()
+                    outcome.append("ran")
+                except RuntimeError as exc:
+                    outcome.append(str(exc))
+
+            th = threading.Thread(target=other)
+            th.start()
+            th.join()
+            original(dst, src, label, pinned=pinned)
+
+        monkeypatch.setattr(backend, "copy_h2d", slow_copy)
+        buf.uva()
+        assert len(outcome) == 1 and "two threads" in outcome[0]
+
+
+def test_buffers_made_under_inference_mode_work_outside(target):
+    with torch.inference_mode():
+        buf = pinstage.CpuGpuBuffer(4, dtype=torch.int32, device=target.device)
+        pool = pinstage.UvaBufferPool(2, torch.int32, device=target.device)
+        backed = pinstage.UvaBackedTensor(4, torch.int32, device=target.device)
+        nonuva = pinstage.NonUvaBuffer(4, torch.int32, target.device)
+    buf.np[:] = [1, 2, 3, 4]
+    buf.copy_to_gpu()
+    target.sync()
+    buf.gpu.add_(1)
+    buf.copy_to_cpu()
+    g = pool.copy_to_gpu([5, 6, 7])  # grows a slot outside inference mode
+    backed.np[:] = 9
+    u = backed.copy_to_uva()
+    nonuva.np[:] = 3
+    d = nonuva.uva()
+    target.sync()
+    reference_equal(buf.cpu, [2, 3, 4, 5])
+    reference_equal(g, [5, 6, 7])
+    reference_equal(u, [9, 9, 9, 9])
+    reference_equal(d, [3, 3, 3, 3])
