@@ -163,7 +163,8 @@ def test_values_bytes_takes_any_iterable(values):
 
 
 @pytest.mark.parametrize("values,exc", [
-    ("abc", TypeError), (b"ab", TypeError), ({1: 2}, TypeError), ({1, 2}, TypeError), (5, TypeError),
+    ("abc", TypeError), (b"ab", TypeError), ({1: 2}, TypeError), ({1, 2}, TypeError),
+    (5, TypeError),
     (np.zeros((2, 2)), ValueError), ([[1, 2]], ValueError), (np.array(["x"]), NotANumberError),
 ])
 def test_values_bytes_refuses_non_sequences(values, exc):
