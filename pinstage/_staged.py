@@ -35,7 +35,7 @@ __all__ = ["StagedWriteTensor", "FusedStagedWriter", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (torch.int32, torch.int64, torch.float32, torch.float16, torch.bfloat16,
                     torch.float64)
-_PACK_ERRORS = (struct.error, OverflowError, TypeError)
+_FAST_MISS = (KeyError, struct.error, OverflowError, TypeError)
 
 
 def _scatter_all(*parts: torch.Tensor) -> None:
@@ -268,6 +268,7 @@ class StagedWriteTensor:
             self._geom = (self.num_rows, 1, 1, self.num_rows)
         self._packers: dict[int, struct.Struct] = {}
         self._staged: list[tuple[int, int, bytes]] = []  # (flat offset, length, values)
+        self._append = self._staged.append  # (the list is only ever cut, never replaced)
         self._lock = threading.Lock()  # apply/clear; staging needs none (one list append)
         self._scratch = _Scratch()
 
@@ -291,14 +292,12 @@ class StagedWriteTensor:
         if type(index) is int and type(start) is int and type(x) is list:
             rows, stride, k, limit = self._geom
             n = len(x)
-            if 0 < n and 0 <= index < rows and 0 <= start and index * k + start + n <= limit:
-                st = self._packers.get(n)
-                if st is not None:
-                    try:
-                        self._staged.append((index * stride + start, n, st.pack(*x)))
-                        return
-                    except _PACK_ERRORS:
-                        pass  # the general path says what is wrong
+            if 0 <= index < rows and 0 <= start and index * k + start + n <= limit:
+                try:
+                    self._append((index * stride + start, n, self._packers[n].pack(*x)))
+                    return
+                except _FAST_MISS:  # a length not seen yet (or 0), or values to check
+                    pass
         self._stage_general(index, start, x)
 
     def _stage_general(self, index: Any, start: Any, x: Any) -> None:
