@@ -249,26 +249,34 @@ def test_copies_say_the_source_is_pinned(sim_target, monkeypatch):
 
 def test_pool_fences_each_hand_out_on_its_own_stream(monkeypatch):
     """The event fencing a hand-out is recorded on the stream current at that hand-out (where
-    its readers were queued), not on the stream current at the next one."""
+    its readers were queued), not on the stream current at the next one: a kernel reading
+    hand-out 1 on stream 1 is covered although hand-out 2 happens on stream 2."""
     with simulated_accelerator("lazy") as sim:
-        backend = sim.backend
-        stream = ["A"]
+        if not (torch.cuda.is_available() and hasattr(torch.cuda, "Stream")):
+            pytest.skip("needs the simulated CUDA's streams")
+        backend = pinstage._backend.get_backend(sim.device)
         recorded = []
         original = backend.record_event
-        monkeypatch.setattr(backend, "current_stream", lambda: stream[0])
 
-        def record(s):
-            recorded.append(s)
-            return original(s)
+        def record(stream):
+            recorded.append(stream)
+            return original(stream)
 
         monkeypatch.setattr(backend, "record_event", record)
-        pool = pinstage.UvaBufferPool(4, torch.int32, max_concurrency=2, device=sim.device)
-        pool.copy_to_uva([1])  # hand-out on A
-        stream[0] = "B"
-        pool.copy_to_uva([2])  # hand-out on B: fences the first one, on A
-        stream[0] = "C"
-        pool.copy_to_gpu([3])  # fences the second one, on B
-        assert recorded[:2] == ["A", "B"]
+        pool = pinstage.UvaBufferPool(4, torch.int64, max_concurrency=2, device=sim.device)
+        s1, s2 = torch.cuda.Stream(sim.device), torch.cuda.Stream(sim.device)
+        seen = torch.zeros(3, dtype=torch.int64, device=sim.device)
+        with torch.cuda.stream(s1):
+            first = pool.copy_to_uva([1, 2, 3])
+            seen.copy_(first)  # a reader of hand-out 1, queued on stream 1
+            h1 = backend.current_stream()
+        with torch.cuda.stream(s2):
+            pool.copy_to_uva([4, 5, 6])
+            h2 = backend.current_stream()
+        pool.copy_to_uva([7, 8, 9])  # reuses hand-out 1's slot: must wait for stream 1
+        assert recorded[:2] == [h1, h2]
+        sim.synchronize()
+        assert seen.cpu().tolist() == [1, 2, 3]
 
 
 def test_pool_shared_by_threads_never_returns_another_threads_data(target):
