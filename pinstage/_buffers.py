@@ -266,6 +266,17 @@ class NonUvaBuffer:
         return dev
 
 
+def refuse_capture(backend: Backend, what: str) -> None:
+    """``RuntimeError`` while the current stream captures a CUDA graph: ``what`` writes memory
+    that is recycled, so a replay would read whatever is there by then."""
+    capturing = getattr(backend, "is_capturing", None)  # (backends without graphs lack it)
+    if capturing is not None and capturing():
+        raise RuntimeError(f"{what} cannot be captured in a CUDA graph: it stages data in "
+                           "memory that is reused after the call, so a replay would read stale "
+                           "data; upload before capturing, or capture copies between "
+                           "persistent buffers (CpuGpuBuffer.copy_to_gpu)")
+
+
 def _busy_error(what: str) -> RuntimeError:
     return RuntimeError(f"{what} was called from two threads at once; this object serves one "
                         "thread at a time (give each thread its own, or guard it with a lock)")
@@ -330,6 +341,7 @@ class UvaBufferPool:
     def _take(self, rows: int) -> UvaBuffer | NonUvaBuffer:
         """This thread's next slot, once the device is done with it; grown when too small."""
         backend = self._backend
+        refuse_capture(backend, "UvaBufferPool")
         ring = self._ring()
         if ring.last is not None:  # fence the previous hand-out's readers, on their stream
             ring.events[ring.last] = backend.record_event(ring.last_stream)

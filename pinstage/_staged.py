@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ._backend import Backend, get_backend
-from ._buffers import UvaBuffer, _check_concurrency, get_default_max_concurrency
+from ._buffers import UvaBuffer, _check_concurrency, get_default_max_concurrency, refuse_capture
 from ._capabilities import capabilities_for
 from ._convert import NotANumberError, values_bytes
 from ._dtypes import STRUCT_CODES, check_dtype, itemsize, packer, torch_to_numpy
@@ -161,6 +161,7 @@ def _apply(backend: Backend, batches: Sequence[_Batch], scratch: _Scratch, label
             args += [b.table._flat, torch.from_numpy(b.idx), vals]
         _scatter_all(*args)
         return
+    refuse_capture(backend, label)
     layout = []
     nbytes = 0
     for b in batches:

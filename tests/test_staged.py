@@ -417,3 +417,26 @@ def test_overlap_resolver_leaves_unique_positions_last_write_wins():
                         range(int(lens.sum()))):
             expected[int(i)] = v
         assert dict(zip(idx.tolist(), vals.tolist())) == expected
+
+
+def test_staging_calls_refused_while_capturing_a_graph():
+    """apply_write and the pools stage through memory reused after the call: a captured copy
+    would replay stale data, so they refuse while the stream captures (writes stay staged)."""
+    with simulated_accelerator("lazy") as sim:
+        backend = pinstage._backend.get_backend(sim.device)
+        if not (hasattr(backend, "is_capturing") and hasattr(torch.cuda, "CUDAGraph")
+                and torch.cuda.is_available()):
+            pytest.skip("needs the simulated CUDA's graphs")
+        swt = pinstage.StagedWriteTensor((2, 2), torch.int32, sim.device)
+        pool = pinstage.UvaBufferPool(2, torch.int32, device=sim.device)
+        swt.stage_write(0, 0, [1, 2])
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            with pytest.raises(RuntimeError, match="CUDA graph"):
+                swt.apply_write()
+            with pytest.raises(RuntimeError, match="CUDA graph"):
+                pool.copy_to_uva([1])
+        assert swt.num_staged == 2
+        swt.apply_write()
+        sim.synchronize()
+        assert swt.gpu.cpu().tolist() == [[1, 2], [0, 0]]
