@@ -53,6 +53,22 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _tls = threading.local()
 
 
+def _device(t: torch.Tensor) -> torch.device:
+    """Where ``t`` lives (a simulated tensor seen through its CPU proxy reports its device)."""
+    return getattr(t, "_sim_device", None) or t.device
+
+
+def _pinned(t: torch.Tensor) -> bool:
+    """``t.is_pinned()``, answered by the simulated CUDA while one is open (inside a dispatch
+    mode torch would ask the CPU-only build, which knows no pinned memory)."""
+    from . import _sim
+
+    sim = _sim._ACTIVE
+    if sim is not None and t.device.type == "cpu":
+        return sim.is_pinned(t)
+    return bool(t.is_pinned())
+
+
 @contextlib.contextmanager
 def pinstage_fallback() -> Iterator[None]:
     """Marks pinstage's deliberate, documented blocking fallbacks (not audit findings)."""
@@ -176,7 +192,7 @@ class _AuditMode(TorchDispatchMode):
         detail = f"{op} {tuple(src.shape)} {src.dtype} cpu -> {dst_dev}"
         if not non_blocking:
             self._found("blocking-h2d", detail)
-        elif not src.is_pinned():
+        elif not _pinned(src):
             self._found("pageable-nonblocking", detail)
         elif not src.is_contiguous():
             self._found("noncontiguous-pinned", detail)
@@ -196,11 +212,12 @@ class _AuditMode(TorchDispatchMode):
             nb = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
             if not isinstance(src, torch.Tensor):
                 return
-            if src.device.type == "cpu" and self._accel(dst.device):
-                self._classify_h2d(src, dst.device, nb, "copy_")
-            elif self._accel(src.device) and dst.device.type == "cpu":
-                if not nb or not dst.is_pinned():
-                    self._found("d2h", f"copy_ {tuple(src.shape)} {src.device} -> cpu"
+            sdev, ddev = _device(src), _device(dst)
+            if sdev.type == "cpu" and self._accel(ddev):
+                self._classify_h2d(src, ddev, nb, "copy_")
+            elif self._accel(sdev) and ddev.type == "cpu":
+                if not nb or not _pinned(dst):
+                    self._found("d2h", f"copy_ {tuple(src.shape)} {sdev} -> cpu"
                                 + ("" if not nb else " into pageable memory"))
         elif packet is torch.ops.aten._to_copy:
             src = args[0]
@@ -209,26 +226,27 @@ class _AuditMode(TorchDispatchMode):
                 return
             dev = torch.device(dev)
             nb = bool(kwargs.get("non_blocking", False))
-            if src.device.type == "cpu" and self._accel(dev):
+            sdev = _device(src)
+            if sdev.type == "cpu" and self._accel(dev):
                 self._classify_h2d(src, dev, nb, "to")
-            elif self._accel(src.device) and dev.type == "cpu" and not nb:
-                self._found("d2h", f"to {tuple(src.shape)} {src.device} -> cpu")
+            elif self._accel(sdev) and dev.type == "cpu" and not nb:
+                self._found("d2h", f"to {tuple(src.shape)} {sdev} -> cpu")
         elif packet is torch.ops.aten._local_scalar_dense:
             src = args[0]
-            if isinstance(src, torch.Tensor) and self._accel(src.device):
-                self._found("item", f".item() of a {src.device} tensor")
+            if isinstance(src, torch.Tensor) and self._accel(_device(src)):
+                self._found("item", f".item() of a {_device(src)} tensor")
         elif packet in _DATA_DEPENDENT or (
                 packet is _aten.repeat_interleave and kwargs.get("output_size") is None
                 and not (len(args) > 3 and args[3] is not None)):
             src = args[0]
-            if isinstance(src, torch.Tensor) and self._accel(src.device):
-                self._found("data-dependent", f"{packet.__name__} of a {src.device} tensor")
+            if isinstance(src, torch.Tensor) and self._accel(_device(src)):
+                self._found("data-dependent", f"{packet.__name__} of a {_device(src)} tensor")
         elif packet is _aten.index:
             src, indices = args[0], args[1]
-            if isinstance(src, torch.Tensor) and self._accel(src.device) and any(
+            if isinstance(src, torch.Tensor) and self._accel(_device(src)) and any(
                     isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
                     for i in indices):
-                self._found("data-dependent", f"boolean-mask indexing of a {src.device} "
+                self._found("data-dependent", f"boolean-mask indexing of a {_device(src)} "
                                               "tensor")
 
 

@@ -15,8 +15,9 @@ Primitives never branch on the device type; they ask :func:`get_backend` and use
 from __future__ import annotations
 
 import abc
+import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,6 +127,11 @@ class Backend(abc.ABC):
     def synchronize(self) -> None:
         """Wait for all device work pinstage issued on this target."""
 
+    def is_capturing(self) -> bool:
+        """Whether the current stream is capturing a CUDA graph (then staging through
+        recycled memory must be refused: a replay would read whatever is there later)."""
+        return False
+
     # -- shared helpers ----------------------------------------------------------------------
     def arena(self) -> StagingArena:
         """This target's pinned staging arena, made on first use."""
@@ -141,10 +147,12 @@ def host_region_tensor(nbytes: int, *, in_use: bool = True,
                        pin: Callable[[int, int], None] | None = None,
                        unpin: Callable[[int, int], None] | None = None,
                        on_free: Callable[[HostRegion], None] | None = None,
-                       page_aligned: bool = True) -> torch.Tensor:
-    """A zero-filled uint8 tensor over a new :class:`HostRegion` (counted in the stats)."""
+                       page_aligned: bool = True,
+                       backend: Backend | None = None) -> torch.Tensor:
+    """A zero-filled uint8 tensor over a new :class:`HostRegion` (counted in the stats). With
+    ``backend``, the memory goes back only after the device work queued to read it is done."""
     region = HostRegion(nbytes, pin=pin, unpin=unpin, on_free=on_free, in_use=in_use,
-                        page_aligned=page_aligned)
+                        page_aligned=page_aligned, backend=backend)
     return region.as_tensor()
 
 
@@ -246,6 +254,28 @@ class GenericBackend(Backend):
             sync()
 
 
+class _Explicit(threading.local):
+    depth = 0
+
+
+_explicit = _Explicit()
+
+
+@contextlib.contextmanager
+def explicit_wait() -> Iterator[None]:
+    """Marks host waits pinstage makes because the user asked for one (``synchronize()``):
+    not host stalls (the simulator counts them in ``syncs`` only)."""
+    _explicit.depth += 1
+    try:
+        yield
+    finally:
+        _explicit.depth -= 1
+
+
+def explicit_wait_active() -> bool:
+    return _explicit.depth > 0
+
+
 _CPU = CpuBackend()
 _GENERIC: dict[torch.device, GenericBackend] = {}
 _lock = threading.Lock()
@@ -261,10 +291,8 @@ def _cuda_module() -> Any:
 
 
 def resolve_device(device: Any = None) -> torch.device:
-    """The target for ``device`` (``None``: the simulator, else the current accelerator, else
-    the CPU), with its index."""
-    if SIM_STACK and (device is None or torch.device(device) == SIM_STACK[-1].device):
-        return SIM_STACK[-1].device
+    """The target for ``device`` (``None``: the current accelerator - a simulated one inside
+    ``simulated_accelerator`` - else the CPU), with its index."""
     if device is None:
         cuda = _cuda_module()
         if cuda.available():
@@ -306,11 +334,9 @@ _RESOLVED: dict[Any, Backend] = {}  # device argument -> backend, when no simula
 
 def get_backend(device: Any = None) -> Backend:
     """The backend that serves ``device`` (see :func:`resolve_device`)."""
-    if SIM_STACK:
-        sim = SIM_STACK[-1]
-        if device is None or torch.device(device) == sim.device:
-            return sim.backend  # type: ignore[no-any-return]
-    elif device is not None and type(device) in (str, torch.device):
+    if SIM_STACK:  # torch.cuda is the simulator's: resolve afresh (nothing cached across it)
+        return _get_backend(device)
+    if device is not None and type(device) in (str, torch.device):
         hit = _RESOLVED.get(device)
         if hit is not None:
             return hit

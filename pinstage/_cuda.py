@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ._audit import pinstage_fallback
-from ._backend import Backend, Probe, host_region_tensor
+from ._backend import Backend, Probe, explicit_wait, host_region_tensor
 from ._platform import WSL_STAGING_LIMIT, wsl_info
 
 __all__ = ["CudaBackend", "available", "current_device", "backend_for"]
@@ -43,6 +43,10 @@ def current_device() -> torch.device:
 
 def backend_for(device: torch.device) -> CudaBackend:
     index = device.index if device.index is not None else torch.cuda.current_device()
+    from ._backend import SIM_STACK
+
+    if SIM_STACK:  # a simulated CUDA is open: its devices, over its simulated driver
+        return SIM_STACK[-1].backend_for(index)  # type: ignore[no-any-return]
     with _lock:
         if index not in _backends:
             if not available():
@@ -90,6 +94,11 @@ class _Runtime:
                 continue
         raise OSError(f"cannot find the {stem} runtime library to map pinned memory")
 
+    def clear_last_error(self) -> None:
+        fn = getattr(self.lib, "hipGetLastError" if self.rocm else "cudaGetLastError")
+        fn.restype = ctypes.c_int
+        fn()
+
     def device_pointer(self, host_ptr: int) -> int:
         out = ctypes.c_void_p()
         err = self.fn(ctypes.byref(out), ctypes.c_void_p(host_ptr), 0)
@@ -121,29 +130,77 @@ class _DeviceArray:
         }
 
 
+class CudaDriver:
+    """The driver calls pinstage makes beyond ``torch.cuda``: registering host memory
+    (``cudaHostRegister``), unregistering it, and mapping it for the device (UVA). The
+    simulator supplies its own, so the backend above it runs unchanged on a CPU."""
+
+    def register(self, ptr: int, size: int) -> int:
+        """``cudaHostRegister(Portable | Mapped)``; returns the error code (0: success)."""
+        return int(torch.cuda.cudart().cudaHostRegister(
+            ptr, size, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED))
+
+    def clear_error(self) -> None:
+        """``cudaGetLastError()``: take back the error a failed runtime call left set, which
+        torch's next kernel-launch check would otherwise report from unrelated code."""
+        try:
+            _get_runtime().clear_last_error()
+        except (OSError, AttributeError, RuntimeError):
+            pass
+
+    def unregister(self, ptr: int) -> None:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+
+    def uva_view(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        nbytes = host.numel() * host.element_size()
+        flat = host.reshape(-1).view(torch.uint8)
+        with torch.cuda.device(device):
+            dptr = _get_runtime().device_pointer(host.data_ptr())
+            view = torch.as_tensor(_DeviceArray(flat, dptr, nbytes), device=device)
+        if view.data_ptr() != dptr or view.device != device:
+            raise RuntimeError("torch did not alias the mapped pinned memory (it copied it); "
+                               "UVA views are not usable here")
+        return view.view(host.dtype).view(host.shape)
+
+    def device_name(self, index: int) -> str:
+        return str(torch.cuda.get_device_name(index))
+
+
+_EVENT_RING = 16  # events re-recorded per stream (a re-recorded event only fences later)
+
+
 class CudaBackend(Backend):
     """One CUDA/ROCm device. Work goes on that device's current stream."""
 
     name = "cuda"
     accelerator = True
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, driver: Any = None) -> None:
         super().__init__()
         self.index = index
         self.device = torch.device("cuda", index)
+        self.driver = driver if driver is not None else CudaDriver()
         self._probe: Probe | None = None
         self._probe_lock = threading.Lock()
+        self._events: dict[Any, tuple[list[Any], list[int]]] = {}
+        self._events_lock = threading.Lock()
 
     # -- facts -------------------------------------------------------------------------------
     def probe(self) -> Probe:
         with self._probe_lock:
             if self._probe is None:
-                self._probe = self._run_probe()
+                if self.is_capturing():
+                    raise RuntimeError(
+                        f"pinstage's capability probe for {self.device} cannot run inside a "
+                        "CUDA graph capture (it synchronizes): call pinstage.capabilities() "
+                        "(or any pinstage function) once before capturing")
+                with pinstage_fallback():  # its copies are not the caller's hidden syncs
+                    self._probe = self._run_probe()
             return self._probe
 
     def _run_probe(self) -> Probe:
         reasons: list[str] = []
-        name = torch.cuda.get_device_name(self.index)
+        name = self.driver.device_name(self.index)
         kind = "ROCm/HIP" if _is_rocm() else "CUDA"
         reasons.append(f"{kind} device {self.device} ({name})")
         limit = None
@@ -194,19 +251,22 @@ class CudaBackend(Backend):
     # -- memory ------------------------------------------------------------------------------
     def alloc_pinned(self, nbytes: int, *, in_use: bool = True) -> torch.Tensor:
         torch.cuda.init()
-        cudart = torch.cuda.cudart()
+        driver = self.driver
 
         def pin(ptr: int, size: int) -> None:
             with torch.cuda.device(self.device):
-                err = cudart.cudaHostRegister(ptr, size,
-                                              _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED)
-            if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister of {size} bytes failed: {err}")
+                err = driver.register(ptr, size)
+            if err != 0:
+                driver.clear_error()  # a failed call leaves its error set for unrelated code
+                raise RuntimeError(f"cudaHostRegister of {size} bytes failed: error {err}")
 
         def unpin(ptr: int, size: int) -> None:
-            cudart.cudaHostUnregister(ptr)
+            driver.unregister(ptr)
 
-        return host_region_tensor(nbytes, pin=pin, unpin=unpin, in_use=in_use)
+        # backend=self: a dropped region is parked behind events, unregistered only after the
+        # device has read it (cudaHostUnregister does not wait; hipHostUnregister would
+        # synchronize the whole device from inside the garbage collector)
+        return host_region_tensor(nbytes, pin=pin, unpin=unpin, in_use=in_use, backend=self)
 
     def is_pinned(self, t: torch.Tensor) -> bool:
         return t.device.type == "cpu" and bool(t.is_pinned())
@@ -234,9 +294,25 @@ class CudaBackend(Backend):
         return torch.cuda.current_stream(self.device)
 
     def record_event(self, stream: Any) -> Any:
-        event = torch.cuda.Event()
-        event.record(stream)  # after all work queued on that stream so far
-        return event
+        """An event from a small per-stream ring, re-recorded: creating one per fence costs a
+        driver call, and a re-recorded event completes only after the point it had fenced
+        (fences stay correct, at worst a little late). Blocking events: waits sleep, not spin."""
+        with self._events_lock:
+            ring, pos = self._events.setdefault(stream, ([], [0]))
+            if len(ring) < _EVENT_RING:
+                event = torch.cuda.Event(blocking=True)
+                ring.append(event)
+            else:
+                event = ring[pos[0]]
+                pos[0] = (pos[0] + 1) % _EVENT_RING
+            event.record(stream)  # after all work queued on that stream so far
+            return event
+
+    def is_capturing(self) -> bool:
+        try:
+            return bool(torch.cuda.is_current_stream_capturing())
+        except RuntimeError:  # a torch build without CUDA graphs
+            return False
 
     def event_done(self, event: Any) -> bool:
         return event is None or bool(event.query())
@@ -249,26 +325,19 @@ class CudaBackend(Backend):
     def uva_view(self, host: torch.Tensor) -> torch.Tensor:
         if not (host.device.type == "cpu" and host.is_contiguous()):
             raise ValueError("a UVA view needs a contiguous host tensor")
+        if host.numel() == 0:
+            return torch.empty(host.shape, dtype=host.dtype, device=self.device)
         if not host.is_pinned():
             raise ValueError("a UVA view needs pinned host memory; this tensor is pageable")
-        nbytes = host.numel() * host.element_size()
-        flat = host.reshape(-1).view(torch.uint8) if nbytes else host.reshape(-1)
-        with torch.cuda.device(self.device):
-            dptr = _get_runtime().device_pointer(host.data_ptr()) if nbytes else 0
-            if nbytes == 0:
-                return torch.empty(host.shape, dtype=host.dtype, device=self.device)
-            view = torch.as_tensor(_DeviceArray(flat, dptr, nbytes), device=self.device)
-        if view.data_ptr() != dptr or view.device != self.device:
-            raise RuntimeError("torch did not alias the mapped pinned memory (it copied it); "
-                               "UVA views are not usable here")
-        return view.view(host.dtype).view(host.shape)
+        return self.driver.uva_view(host, self.device)  # type: ignore[no-any-return]
 
     def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
+        with explicit_wait():
+            torch.cuda.synchronize(self.device)
 
 
 def device_name(device: torch.device) -> str:
-    return str(torch.cuda.get_device_name(device))
+    return backend_for(device).driver.device_name(device.index or 0)  # type: ignore[no-any-return]
 
 
 def bandwidth_probe(device: torch.device, nbytes: int = 64 * 2**20) -> dict[str, float]:

@@ -27,7 +27,12 @@ class HiddenSyncError(PinstageError, RuntimeError):
 
 
 class HazardError(PinstageError, RuntimeError):
-    """Simulated device work found that the host changed memory it had queued a read of."""
+    """The simulated CUDA found what would be garbage or a crash on a GPU: host memory that
+    queued device work reads was changed or freed before it ran, or a pending device-to-host
+    destination was written by the host."""
+
+
+HazardError.__module__ = "pinstage.testing"  # where users import it from
 
 
 class ValueOverflowError(ValueError, OverflowError):

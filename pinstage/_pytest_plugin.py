@@ -1,5 +1,12 @@
-"""pytest plugin (registered through the ``pytest11`` entry point): the ``no_hidden_syncs``
-fixture fails the test that uses it if the hidden-sync audit finds anything inside it."""
+"""pytest plugin (registered through the ``pytest11`` entry point).
+
+* ``no_hidden_syncs`` - fails the test that uses it if the hidden-sync audit finds anything.
+* ``simulated_cuda`` - runs one test inside ``pinstage.testing.simulated_accelerator()`` and
+  yields the simulator.
+* ``--pinstage-simulate[=MODE]`` (``lazy`` by default; ``--pinstage-seed N``) - every test
+  runs inside a simulated CUDA, so tests written for a GPU, including those that skip when
+  ``torch.cuda.is_available()`` is false, run in CPU-only CI and fail on async bugs.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,18 @@ from collections.abc import Generator, Iterator
 from typing import Any
 
 import pytest
+
+_MODES = ("eager", "lazy", "random")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("pinstage")
+    group.addoption("--pinstage-simulate", nargs="?", const="lazy", default=None,
+                    metavar="MODE",
+                    help="run every test inside pinstage's simulated CUDA; MODE is eager, "
+                         "lazy (the default) or random")
+    group.addoption("--pinstage-seed", type=int, default=0, metavar="N",
+                    help="seed of the simulated CUDA's random mode (default 0)")
 
 
 @pytest.fixture
@@ -19,10 +38,98 @@ def no_hidden_syncs() -> Iterator[Any]:
         yield report
 
 
+@pytest.fixture
+def simulated_cuda(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A simulated CUDA for this test (``--pinstage-simulate``'s mode and seed, else lazy and
+    0); yields the simulator. Inside ``--pinstage-simulate`` it yields the one already open."""
+    from pinstage import _sim
+    from pinstage.testing import simulated_accelerator
+
+    if _sim._ACTIVE is not None:
+        yield _sim._ACTIVE
+        return
+    mode = request.config.getoption("pinstage_simulate") or "lazy"
+    with simulated_accelerator(mode=mode, seed=request.config.getoption("pinstage_seed")) as s:
+        yield s
+
+
 def _check(item: pytest.Item) -> None:
     report = getattr(item, "funcargs", {}).get("no_hidden_syncs")
     if report is not None and report.findings:
         pytest.fail(report.summary(), pytrace=False)
+
+
+def _consumed(config: pytest.Config) -> str:
+    """The path argparse took as the value of a bare ``--pinstage-simulate``."""
+    args = list(config.invocation_params.args)
+    for i, a in enumerate(args[:-1]):
+        if a == "--pinstage-simulate":
+            return str(args[i + 1])
+    return "."
+
+
+def _simulating(config: pytest.Config) -> str | None:
+    mode = config.getoption("pinstage_simulate", default=None)
+    return mode if isinstance(mode, str) else None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """With ``--pinstage-simulate``, collection runs inside a simulator too: skip conditions
+    written as ``skipif(not torch.cuda.is_available())`` are evaluated at import."""
+    mode = _simulating(config)
+    if mode is not None and mode not in _MODES:
+        if mode.startswith("-"):
+            raise pytest.UsageError(f"--pinstage-simulate: MODE must be one of {_MODES}, got "
+                                    f"{mode!r}")
+        # `--pinstage-simulate tests/` : the word after the bare flag was a path, not a mode
+        config.option.pinstage_simulate = mode = "lazy"
+        if config.args == [str(config.rootpath)] or config.args == ["."]:
+            config.args.clear()
+        config.args.append(_consumed(config))
+    if mode is not None:
+        from pinstage.testing import simulated_accelerator
+
+        cm = simulated_accelerator(mode=mode, seed=config.getoption("pinstage_seed"))
+        cm.__enter__()
+        config._pinstage_collect_sim = cm  # type: ignore[attr-defined]
+
+
+def _close_collection_sim(config: pytest.Config) -> None:
+    cm = getattr(config, "_pinstage_collect_sim", None)
+    if cm is not None:
+        del config._pinstage_collect_sim  # type: ignore[attr-defined]
+        cm.__exit__(None, None, None)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    _close_collection_sim(session.config)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    _close_collection_sim(config)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, Any, None]:
+    """With ``--pinstage-simulate``, open the simulator before fixtures and skip markers are
+    evaluated, so ``torch.cuda.is_available()`` is already true there."""
+    mode = _simulating(item.config)
+    if mode is not None:
+        from pinstage.testing import simulated_accelerator
+
+        cm = simulated_accelerator(mode=mode, seed=item.config.getoption("pinstage_seed"))
+        cm.__enter__()
+        item._pinstage_sim = cm  # type: ignore[attr-defined]
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, Any, None]:
+    yield
+    cm = getattr(item, "_pinstage_sim", None)
+    if cm is not None:
+        del item._pinstage_sim  # type: ignore[attr-defined]
+        cm.__exit__(None, None, None)  # runs what is queued: a hazard fails the teardown
 
 
 try:  # pytest >= 8 (pluggy >= 1.2): fail in the call phase, so the test itself fails
@@ -33,6 +140,6 @@ try:  # pytest >= 8 (pluggy >= 1.2): fail in the call phase, so the test itself 
         return result
 except (TypeError, ValueError):  # older pytest: fail at teardown instead
     @pytest.hookimpl(hookwrapper=True)
-    def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, Any, None]:
+    def pytest_runtest_makereport(item: pytest.Item) -> Generator[None, Any, None]:
         _check(item)
         yield

@@ -1,0 +1,358 @@
+"""``torch.cuda`` as a program sees it while a simulator is open, and the simulated driver
+pinstage's CUDA backend talks to.
+
+``install(sim)`` swaps these names into ``torch.cuda`` (and returns a function that puts the
+originals back): devices, streams, events, synchronisation, CUDA graphs and ``cudart()``.
+Code that looks them up when it runs (``torch.cuda.Event()``) gets the simulated ones.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._sched import HostRead, Op, Registration, SimEvent, SimStream
+from ._tensor import SimTensor
+
+if TYPE_CHECKING:
+    from . import Simulator
+
+__all__ = ["SimDriver", "SimGraph", "install"]
+
+
+def _sim() -> Simulator:
+    from . import active
+
+    return active()
+
+
+class _device:
+    """``torch.cuda.device(i)``: makes ``i`` the current device inside the block."""
+
+    def __init__(self, device: Any) -> None:
+        sim = _sim()
+        if device is None or (isinstance(device, int) and device < 0):
+            self.idx = -1
+        else:
+            self.idx = sim.device_index(device)
+        self.prev_idx = -1
+
+    def __enter__(self) -> None:
+        if self.idx >= 0:
+            sim = _sim()
+            self.prev_idx = sim.current_device()
+            sim.set_device(self.idx)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.idx >= 0 and self.prev_idx >= 0:
+            _sim().set_device(self.prev_idx)
+
+
+class _device_of(_device):
+    def __init__(self, obj: Any) -> None:
+        super().__init__(obj.get_device() if getattr(obj, "is_cuda", False) else -1)
+
+
+class _TlsStack(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[tuple[int, SimStream]] = []
+
+
+_ctx = _TlsStack()
+
+
+def _stream_ctx_enter(stream: SimStream) -> None:
+    sim = _sim()
+    _ctx.stack.append((sim.current_device(), sim.current_stream(stream.device_index)))
+    sim.set_device(stream.device_index)
+    sim.set_stream(stream)
+
+
+def _stream_ctx_exit(stream: SimStream) -> None:
+    sim = _sim()
+    device, prev = _ctx.stack.pop()
+    sim.set_stream(prev)
+    sim.set_device(device)
+
+
+class StreamContext:
+    """``torch.cuda.stream(s)``: ``s`` is the current stream (and its device the current
+    device) inside the block; ``None`` does nothing."""
+
+    def __init__(self, stream: SimStream | None) -> None:
+        self.stream = stream
+
+    def __enter__(self) -> None:
+        if self.stream is not None:
+            _stream_ctx_enter(self.stream)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.stream is not None:
+            _stream_ctx_exit(self.stream)
+
+
+def _new_stream(device: Any = None, priority: int = 0, **kwargs: Any) -> SimStream:
+    sim = _sim()
+    s = SimStream(device, priority, _sim=sim)
+    sim.register_stream(s)
+    return s
+
+
+class _StreamType(type):
+    """So that ``isinstance(s, torch.cuda.Stream)`` holds for simulated streams."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, SimStream)
+
+    def __call__(cls, device: Any = None, priority: int = 0, **kwargs: Any) -> Any:
+        return _new_stream(device, priority, **kwargs)
+
+
+class Stream(metaclass=_StreamType):
+    """``torch.cuda.Stream`` while simulated (constructing one makes a :class:`SimStream`)."""
+
+
+class SimGraph:
+    """``torch.cuda.CUDAGraph``: capture records device work without running it; ``replay()``
+    queues it again on the current stream (host reads are checked afresh each replay)."""
+
+    def __init__(self, keep_graph: bool = False) -> None:
+        self._sim = _sim()
+        self._ops: list[Op] | None = None
+        self._stream: SimStream | None = None
+
+    def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
+        sim = self._sim
+        stream = sim.current_stream()
+        if stream is sim.default_stream(stream.device_index):
+            raise RuntimeError("CUDA graphs must be captured on a non-default stream. "
+                               "(However, after capture, it's ok to replay them on the "
+                               "default stream.)")
+        with sim.lock:
+            self._ops = []
+            self._stream = stream
+            stream._capture = self
+            sim._capturing += 1
+
+    def capture_end(self) -> None:
+        sim = self._sim
+        with sim.lock:
+            if self._stream is not None and self._stream._capture is self:
+                self._stream._capture = None
+                sim._capturing -= 1
+
+    def replay(self) -> None:
+        if self._ops is None:
+            raise RuntimeError("CUDAGraph.replay() before a capture")
+        sim = self._sim
+        stream = sim.current_stream()
+        with sim.lock:
+            for op in self._ops:
+                reads = [_fresh(sim, r, op.label) for r in op.reads]
+                sim.enqueue(stream, Op(f"{op.label} (graph replay)", op.fn, reads,
+                                       host_writes=op.host_writes), None)
+
+    def reset(self) -> None:
+        self._ops = None
+
+    def pool(self) -> tuple[int, int]:
+        return (0, id(self))
+
+    def enable_debug_mode(self) -> None:
+        return None
+
+    def debug_dump(self, path: str) -> None:
+        return None
+
+
+def _fresh(sim: Simulator, r: HostRead, label: str) -> HostRead:
+    t = r.resolve(label)
+    snap = r.snapshot is not None
+    return HostRead(r.what, r.tensor, r.reg, r.layout,
+                    t.reshape(-1).contiguous().view(torch.uint8).clone() if snap and
+                    t.dtype != torch.bool else (t.clone() if snap else None), r.span)
+
+
+class graph:
+    """``torch.cuda.graph(g)``: capture the block's device work into ``g``."""
+
+    default_capture_stream: SimStream | None = None
+
+    def __init__(self, cuda_graph: SimGraph, pool: Any = None, stream: SimStream | None = None,
+                 capture_error_mode: str = "global") -> None:
+        self.cuda_graph = cuda_graph
+        self.capture_stream = stream if stream is not None else _new_stream()
+        self.stream_ctx = StreamContext(self.capture_stream)
+        self.pool = pool
+        self.capture_error_mode = capture_error_mode
+
+    def __enter__(self) -> None:
+        _sim().synchronize()
+        self.stream_ctx.__enter__()
+        self.cuda_graph.capture_begin(self.pool, self.capture_error_mode)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.cuda_graph.capture_end()
+        self.stream_ctx.__exit__(*exc)
+
+
+class _Cudart:
+    """``torch.cuda.cudart()``: the few runtime calls engine code makes directly."""
+
+    def __init__(self, sim: Simulator) -> None:
+        self._sim = sim
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802
+        return SimDriver(self._sim).register(ptr, size)
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        SimDriver(self._sim).unregister(ptr)
+        return 0
+
+    def cudaGetErrorString(self, err: int) -> str:  # noqa: N802
+        return f"simulated CUDA error {err}"
+
+    def cudaProfilerStart(self) -> int:  # noqa: N802
+        return 0
+
+    def cudaProfilerStop(self) -> int:  # noqa: N802
+        return 0
+
+
+class SimDriver:
+    """What pinstage's CUDA backend asks of the driver, simulated: registering host memory
+    (``cudaHostRegister``), unregistering it, and a device view of it (UVA)."""
+
+    def __init__(self, sim: Simulator) -> None:
+        self.sim = sim
+
+    def register(self, ptr: int, size: int) -> int:
+        """``cudaHostRegister``: 0, or 801 (not supported) when the simulator cannot pin; a
+        failure leaves its error set, as the runtime does, until ``clear_error()``."""
+        sim = self.sim
+        if not sim.pin_memory:
+            sim.sticky_error = "cudaErrorNotSupported: cudaHostRegister failed"
+            return 801
+        sim.pinned.add(ptr, ptr + max(size, 1), Registration(ptr, size))
+        return 0
+
+    def clear_error(self) -> None:
+        """``cudaGetLastError()``: takes back the error a failed call left behind."""
+        self.sim.sticky_error = None
+
+    def unregister(self, ptr: int) -> None:
+        owner = self.sim.pinned.remove(ptr)
+        if isinstance(owner, Registration):
+            owner.alive = False
+
+    def uva_view(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        sim = self.sim
+        if not sim.uva:
+            raise RuntimeError("mapping pinned host memory into the device's address space "
+                               "is not supported (the simulator was opened with uva=False)")
+        owner = sim.pinned.find(host.data_ptr()) if host.numel() else None
+        if host.numel() and owner is None:
+            raise ValueError("a UVA view needs pinned host memory; this tensor is pageable")
+        return SimTensor(host, torch.device("cuda", device.index or 0), owner)
+
+    def device_name(self, index: int) -> str:
+        s = self.sim
+        return f"pinstage simulated CUDA device {index} ({s.mode} mode, seed {s.seed})"
+
+
+def install(sim: Simulator) -> Callable[[], None]:
+    """Swap the simulated names into ``torch.cuda``; returns the undo function."""
+    cuda = torch.cuda
+    driver = SimDriver(sim)
+    cudart = _Cudart(sim)
+
+    def synchronize(device: Any = None) -> None:
+        sim.synchronize(device)
+
+    def current_stream(device: Any = None) -> SimStream:
+        return sim.current_stream(device)
+
+    def default_stream(device: Any = None) -> SimStream:
+        return sim.default_stream(device)
+
+    def set_stream(stream: SimStream | None) -> None:
+        if stream is not None:
+            sim.set_stream(stream)
+
+    def is_current_stream_capturing() -> bool:
+        return sim.current_stream()._capture is not None
+
+    def set_sync_debug_mode(mode: Any) -> None:
+        modes = {"default": 0, "warn": 1, "error": 2}
+        sim.sync_debug_mode = modes[mode] if isinstance(mode, str) else int(mode)
+
+    def get_device_properties(device: Any = None) -> Any:
+        from types import SimpleNamespace
+
+        index = sim.device_index(device)
+        return SimpleNamespace(name=driver.device_name(index), major=9, minor=0,
+                               total_memory=80 * 2**30, multi_processor_count=132,
+                               is_integrated=False)
+
+    names: dict[str, Any] = {
+        "is_available": lambda: True,
+        "device_count": lambda: sim.device_count,
+        "current_device": sim.current_device,
+        "set_device": lambda device: sim.set_device(sim.device_index(device)),
+        "device": _device,
+        "device_of": _device_of,
+        "get_device_name": lambda device=None: driver.device_name(sim.device_index(device)),
+        "get_device_capability": lambda device=None: (9, 0),
+        "get_device_properties": get_device_properties,
+        "is_initialized": lambda: True,
+        "init": lambda: None,
+        "_lazy_init": lambda: None,
+        "synchronize": synchronize,
+        "Stream": Stream,
+        "Event": SimEvent,
+        "current_stream": current_stream,
+        "default_stream": default_stream,
+        "stream": StreamContext,
+        "StreamContext": StreamContext,
+        "set_stream": set_stream,
+        "CUDAGraph": SimGraph,
+        "graph": graph,
+        "is_current_stream_capturing": is_current_stream_capturing,
+        "cudart": lambda: cudart,
+        "set_sync_debug_mode": set_sync_debug_mode,
+        "get_sync_debug_mode": lambda: sim.sync_debug_mode,
+        "empty_cache": lambda: None,
+        "ipc_collect": lambda: None,
+        "manual_seed": lambda seed: None,
+        "manual_seed_all": lambda seed: None,
+        "memory_allocated": lambda device=None: 0,
+        "max_memory_allocated": lambda device=None: 0,
+        "mem_get_info": lambda device=None: (70 * 2**30, 80 * 2**30),
+        "is_bf16_supported": lambda *a, **k: True,
+    }
+    missing = object()
+    saved = {name: getattr(cuda, name, missing) for name in names}
+    for name, value in names.items():
+        setattr(cuda, name, value)
+    # Tensor.record_stream parses its argument as a C++ stream before any Python override.
+    real_record_stream = torch.Tensor.record_stream
+
+    def record_stream(self: torch.Tensor, stream: Any) -> None:
+        if isinstance(stream, SimStream):
+            return None  # simulated memory lives as long as Python references it
+        return real_record_stream(self, stream)  # type: ignore[no-any-return]
+
+    torch.Tensor.record_stream = record_stream  # type: ignore[method-assign,assignment]
+
+    def restore() -> None:
+        torch.Tensor.record_stream = real_record_stream  # type: ignore[method-assign]
+        for name, value in saved.items():
+            if value is missing:
+                delattr(cuda, name)
+            else:
+                setattr(cuda, name, value)
+
+    return restore
