@@ -166,9 +166,9 @@ def test_at_most_one_copy_per_apply(sim_target):
 
 
 def test_uva_instead_of_gpu(target):
-    before = pinstage.host_memory_stats()["requested_bytes"]
+    before = pinstage.host_memory_stats(target.device)["requested_bytes"]
     swt = pinstage.StagedWriteTensor((3, 3), torch.int64, target.device, uva_instead_of_gpu=True)
-    pinned_table = pinstage.host_memory_stats()["requested_bytes"] - before
+    pinned_table = pinstage.host_memory_stats(target.device)["requested_bytes"] - before
     for step in range(6):
         swt.stage_write(step % 3, 0, [step, step, step])
         swt.apply_write()
@@ -282,13 +282,13 @@ def test_applied_metadata_keeps_no_pinned_memory(sim_target):
     dev = sim_target.device
     swt = pinstage.StagedWriteTensor((32, 8), torch.int32, dev)
     sim_target.sync()
-    before = pinstage.host_memory_stats()["in_use_bytes"]
+    before = pinstage.host_memory_stats(dev)["in_use_bytes"]
     for n in range(1, 30):  # many different batch sizes
         for r in range(n):
             swt.stage_write(r, 0, [n] * 8)
         swt.apply_write()
     sim_target.sync()
-    assert pinstage.host_memory_stats()["in_use_bytes"] == before
+    assert pinstage.host_memory_stats(dev)["in_use_bytes"] == before
 
 
 def test_made_under_inference_mode_works_outside(target):
