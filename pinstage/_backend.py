@@ -254,6 +254,17 @@ class GenericBackend(Backend):
             sync()
 
 
+def refuse_capture(backend: Backend, what: str) -> None:
+    """``RuntimeError`` while the current stream captures a CUDA graph: ``what`` stages data
+    in memory that is reused after the call, so a replayed copy would read stale or foreign
+    data."""
+    if backend.is_capturing():
+        raise RuntimeError(f"{what} cannot be captured in a CUDA graph: it stages data in "
+                           "pinned memory that is reused after the call, so a replay would "
+                           "read stale data; upload before capturing, or capture copies "
+                           "between persistent buffers (CpuGpuBuffer.copy_to_gpu)")
+
+
 class _Explicit(threading.local):
     depth = 0
 

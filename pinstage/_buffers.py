@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._backend import Backend, get_backend
+from ._backend import Backend, get_backend, refuse_capture
 from ._capabilities import Capabilities, capabilities_for
 from ._convert import HostSource
 from ._dtypes import check_dtype, itemsize, torch_to_numpy
@@ -264,17 +264,6 @@ class NonUvaBuffer:
         finally:
             self._busy.release()
         return dev
-
-
-def refuse_capture(backend: Backend, what: str) -> None:
-    """``RuntimeError`` while the current stream captures a CUDA graph: ``what`` writes memory
-    that is recycled, so a replay would read whatever is there by then."""
-    capturing = getattr(backend, "is_capturing", None)  # (backends without graphs lack it)
-    if capturing is not None and capturing():
-        raise RuntimeError(f"{what} cannot be captured in a CUDA graph: it stages data in "
-                           "memory that is reused after the call, so a replay would read stale "
-                           "data; upload before capturing, or capture copies between "
-                           "persistent buffers (CpuGpuBuffer.copy_to_gpu)")
 
 
 def _busy_error(what: str) -> RuntimeError:

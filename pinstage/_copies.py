@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._backend import Backend, get_backend
+from ._backend import Backend, get_backend, refuse_capture
 from ._capabilities import capabilities_for
 from ._convert import NATIVE_DTYPES, HostSource, array_tensor
 from ._dtypes import itemsize, torch_to_numpy
@@ -141,6 +141,7 @@ def async_tensor_h2d(data: Any, device: Any = None, dtype: torch.dtype | None = 
     if dtype is None and isinstance(out, torch.Tensor):
         dtype = out.dtype
     backend = get_backend(device)
+    refuse_capture(backend, "async_tensor_h2d")
     if out is None and dtype is None and not backend.accelerator:
         plain = _plain_copy(data)
         if plain is not None:
@@ -192,6 +193,7 @@ def h2d_many(arrays: Sequence[Any], device: Any = None,
     if not isinstance(arrays, (list, tuple)):
         raise TypeError(f"arrays must be a list or tuple of inputs, got {describe(arrays)}")
     backend = get_backend(device)
+    refuse_capture(backend, "h2d_many")
     if not backend.accelerator:  # CPU target: nothing to batch, a finished copy of each
         return tuple(_host_copy(a, backend, i, dtype) for i, a in enumerate(arrays))
     srcs = [HostSource(a, dtype, backend, what=f"arrays[{i}]") for i, a in enumerate(arrays)]

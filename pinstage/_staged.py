@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._backend import Backend, get_backend
-from ._buffers import UvaBuffer, _check_concurrency, get_default_max_concurrency, refuse_capture
+from ._backend import Backend, get_backend, refuse_capture
+from ._buffers import UvaBuffer, _check_concurrency, get_default_max_concurrency
 from ._capabilities import capabilities_for
 from ._convert import NotANumberError, values_bytes
 from ._dtypes import STRUCT_CODES, check_dtype, itemsize, packer, torch_to_numpy
