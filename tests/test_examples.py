@@ -40,3 +40,24 @@ def test_engine_inputs_example_unmodified_under_simulated_cuda(mode):
         summary = _load("engine_inputs").main(device="cuda", steps=60, verbose=False)
         assert summary["matches_reference"] and summary["tokens"] > 0
         assert sim.stats.host_stalls == 0
+
+
+@pytest.mark.timeout(240)
+def test_multi_process_example_under_torchrun():
+    """examples/multi_process.py as engines scale out: torchrun, two ranks on gloo, each on
+    its own device of a two-device simulated CUDA, with its own staging state."""
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(EXAMPLES / "multi_process.py"), "--simulate"],
+        capture_output=True, text=True, timeout=200, cwd=EXAMPLES.parent)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("rank ")]
+    assert len(lines) == 2, proc.stdout
+    assert {ln.split(" on ")[1].split(":")[0] + ":" + ln.split(" on ")[1].split(":")[1]
+            for ln in lines} == {"cuda:0", "cuda:1"}
+    sums = [int(ln.split("checksum ")[1].split()[0]) for ln in lines]
+    reduced = {int(ln.split("all-reduced ")[1].split(";")[0]) for ln in lines}
+    assert reduced == {sum(sums)}
+    assert all("other devices in this process: [0]" in ln for ln in lines)
