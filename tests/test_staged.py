@@ -308,9 +308,8 @@ def test_made_under_inference_mode_works_outside(target):
 def test_threads_staging_into_one_table(target):
     """Several threads stage into one table and apply at will: every write lands, in each
     thread's order, and the staged count never goes wrong."""
-    if target.sim is not None:
-        pytest.skip("the simulator is made thread-safe separately (issue 10); CPU target here")
     rows_per_thread, threads = 4, 6
+    steps = 3000 if target.sim is None else 200  # the simulator runs every op in Python
     swt = pinstage.StagedWriteTensor((rows_per_thread * threads, 16), torch.int64, target.device)
     ref = np.zeros((rows_per_thread * threads, 16), np.int64)
     errors: list[BaseException] = []
@@ -320,13 +319,13 @@ def test_threads_staging_into_one_table(target):
     def work(t: int) -> None:
         try:
             rng = np.random.default_rng(t)
-            for i in range(3000):
+            for i in range(steps):
                 r = t * rows_per_thread + int(rng.integers(rows_per_thread))
                 s = int(rng.integers(0, 12))
                 vals = [t * 100000 + i] * 4
                 swt.stage_write(r, s, vals)
                 ref[r, s : s + 4] = vals
-                assert 0 <= swt.num_staged <= 3000 * 4 * threads
+                assert 0 <= swt.num_staged <= steps * 4 * threads
                 if i % 7 == 0:
                     swt.apply_write()
         except BaseException as exc:  # noqa: BLE001 - reported below
