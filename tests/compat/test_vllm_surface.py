@@ -192,9 +192,7 @@ def test_capability_shorthands_and_defaults(target):
     assert StagedWriteTensor(2, torch.int32, target.device).max_concurrency == 3
 
 
-@pytest.mark.parametrize("where", [
-    "cpu", pytest.param("sim", marks=pytest.mark.xfail(
-        strict=False, reason="pin_memory=True under the simulator needs its simulated CUDA"))])
+@pytest.mark.parametrize("where", ["cpu", "sim"])
 def test_pin_memory_flag_passed_to_torch(where):
     """``torch.zeros(..., pin_memory=PIN_MEMORY)``: vLLM's idiom must work where pinstage says
     it does (on a CPU-only build PIN_MEMORY is False there)."""
