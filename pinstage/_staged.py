@@ -178,6 +178,10 @@ def _apply(backend: Backend, batches: Sequence[_Batch], scratch: _Scratch, label
         _launch(backend, dev, batches, layout, label)
         return
     arena = backend.arena()
+    if nbytes > arena.limit:  # larger than the whole staging cap: in pieces (one copy each)
+        for part in _halves(batches):
+            _apply(backend, part, scratch, label)
+        return
     region = arena.alloc(nbytes)
     try:
         block = region.block
@@ -190,6 +194,18 @@ def _apply(backend: Backend, batches: Sequence[_Batch], scratch: _Scratch, label
         _launch(backend, dev, batches, layout, label)
     finally:
         arena.release(region)  # fenced by an event after the kernel that reads it
+
+
+def _halves(batches: Sequence[_Batch]) -> tuple[list[_Batch], list[_Batch]]:
+    """The batches split in two by values. Positions are unique per table once resolved, so
+    the halves may be applied in either order."""
+    first, second = [], []
+    for b in batches:
+        h = (b.idx.shape[0] + 1) // 2
+        first.append(_Batch(b.table, 0, b.idx[:h], b.vals[:h]))
+        if b.idx.shape[0] > h:
+            second.append(_Batch(b.table, 0, b.idx[h:], b.vals[h:]))
+    return first, second
 
 
 def _fill(mem: np.ndarray, batches: Sequence[_Batch], layout: list[tuple[int, int, int]]

@@ -439,3 +439,20 @@ def test_staging_calls_refused_while_capturing_a_graph():
         swt.apply_write()
         sim.synchronize()
         assert swt.gpu.cpu().tolist() == [[1, 2], [0, 0]]
+
+
+def test_batch_larger_than_the_staging_cap_goes_in_pieces(monkeypatch):
+    """A batch whose metadata exceeds PINSTAGE_STAGING_LIMIT is applied in pieces (one copy
+    each) instead of failing; the result is the same."""
+    monkeypatch.setenv("PINSTAGE_STAGING_LIMIT", "8KiB")
+    with simulated_accelerator("lazy", uva=False) as sim:
+        swt = pinstage.StagedWriteTensor((512, 16), torch.int32, sim.device)
+        for r in range(512):
+            swt.stage_write(r, 0, list(range(r, r + 16)))  # 8192 values: ~96 KiB of metadata
+        swt.stage_write(0, 0, [-1])  # overlaps: still the last write wins
+        swt.apply_write()
+        sim.synchronize()
+        expected = torch.arange(16).repeat(512, 1) + torch.arange(512)[:, None]
+        expected[0, 0] = -1
+        assert torch.equal(swt.gpu.cpu(), expected.to(torch.int32))
+        assert swt.num_staged == 0
