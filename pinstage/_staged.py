@@ -334,21 +334,21 @@ class StagedWriteTensor:
             self._packers[n] = packer(self._code, n)  # the fast path handles this size now
         self._staged.append((row * stride + col, n, data))
 
-    def stage_write_elem(self, index: int, value: Any) -> None:
-        """Stage ``gpu[index] = value`` (1-D) or ``gpu[index, 0] = value`` (2-D)."""
+    def stage_write_elem(self, index: int, x: Any) -> None:
+        """Stage ``gpu[index] = x`` (1-D) or ``gpu[index, 0] = x`` (2-D); ``x`` is one number."""
         row = _as_int(index, "index")
         seq: Any
-        if isinstance(value, (np.ndarray, torch.Tensor)):
-            if int(np.prod(value.shape)) != 1:
-                raise TypeError(f"value must be a single number, got {describe(value)}")
-            seq = value.reshape(1)
-        elif isinstance(value, (int, float, np.number, np.bool_)):
-            seq = [value]
-        elif isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
-            raise TypeError(f"value must be a single number, got {describe(value)}")
+        if isinstance(x, (np.ndarray, torch.Tensor)):
+            if int(np.prod(x.shape)) != 1:
+                raise TypeError(f"x must be a single number, got {describe(x)}")
+            seq = x.reshape(1)
+        elif isinstance(x, (int, float, np.number, np.bool_)):
+            seq = [x]
+        elif isinstance(x, Iterable) and not isinstance(x, (str, bytes)):
+            raise TypeError(f"x must be a single number, got {describe(x)}")
         else:
-            raise NotANumberError(f"value is {describe(value)}, which is not a number")
-        data, n = values_bytes(seq, self.dtype, "value", self._backend)
+            raise NotANumberError(f"x is {describe(x)}, which is not a number")
+        data, n = values_bytes(seq, self.dtype, "x", self._backend)
         if not 0 <= row < self.num_rows or self.num_cols < 1:
             raise IndexError(f"staged write at row {row} is outside the {self.shape} tensor")
         self._staged.append((row * self._geom[1], n, data))

@@ -128,7 +128,7 @@ def test_staged_write_tensor_2d_and_1d(target):
     table = StagedWriteTensor((3, 6), torch.int32, target.device)
     table.stage_write(0, 0, [1, 2, 3])
     table.stage_write(0, 3, x=[4])
-    table.stage_write_elem(2, 9)
+    table.stage_write_elem(2, x=9)  # vLLM names the value x
     table.apply_write()
     flat = StagedWriteTensor(6, torch.int64, target.device, max_concurrency=3)
     flat.stage_write(1, 2, [7, 8])  # 1-D: gpu[index+start : ...]
