@@ -83,7 +83,7 @@ def pytest_configure(config: pytest.Config) -> None:
                                     f"{mode!r}")
         # `--pinstage-simulate tests/` : the word after the bare flag was a path, not a mode
         config.option.pinstage_simulate = mode = "lazy"
-        if config.args == [str(config.rootpath)] or config.args == ["."]:
+        if config.args_source != pytest.Config.ArgsSource.ARGS:  # testpaths or the cwd
             config.args.clear()
         config.args.append(_consumed(config))
     if mode is not None:

@@ -332,6 +332,8 @@ def install(sim: Simulator) -> Callable[[], None]:
         "max_memory_allocated": lambda device=None: 0,
         "mem_get_info": lambda device=None: (70 * 2**30, 80 * 2**30),
         "is_bf16_supported": lambda *a, **k: True,
+        "_sleep": lambda cycles: sim.enqueue(sim.current_stream(), Op(
+            f"spin kernel of {cycles} cycles", None)),
     }
     missing = object()
     saved = {name: getattr(cuda, name, missing) for name in names}

@@ -168,13 +168,18 @@ def _torch_function(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     handler = _TF.get(func)
     if handler is not None:
         return handler(*args, **kwargs)
-    if func in _VIA_PROXY:
-        args, kwargs = pytree.tree_map(_to_proxy, (args, kwargs))
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
-        return pytree.tree_map(_from_proxy, out)
+    if func not in _VIA_PROXY:
+        try:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        except RuntimeError as exc:  # a binding that takes a CUDA device guard first
+            if "not linked with support for cuda" not in str(exc):
+                raise
+            _VIA_PROXY.add(func)
+    args, kwargs = pytree.tree_map(_to_proxy, (args, kwargs))
     with torch._C.DisableTorchFunctionSubclass():
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+    return pytree.tree_map(_from_proxy, out)
 
 
 def _item(self: torch.Tensor) -> Any:
