@@ -1,8 +1,10 @@
-"""The CUDA backend's host-side logic, on a CPU-only machine, with the driver calls faked.
+"""The CUDA backend's host-side logic, on a CPU-only machine, with the runtime calls faked.
 
-What needs a real device (copies, events, UVA views) is in test_gpu.py; these tests check
-what pinstage itself decides and asks of the driver: exact-size registration with the right
-flags, unregistration when the memory dies, the WSL rule, and the probe's fail-closed paths.
+The backend as a whole runs on the simulated CUDA (every test target ``sim-*``), and on a
+real device in test_gpu.py; these tests check what pinstage itself asks of the CUDA runtime:
+exact-size registration with the right flags, unregistration once the memory is dead and the
+device is done, the error of a failed registration cleared, the WSL rule, and the probe's
+fail-closed paths.
 """
 
 from __future__ import annotations
@@ -34,9 +36,25 @@ class FakeCudart:
         return 0
 
 
+class FakeRuntime:
+    """``cudaGetLastError`` through ctypes: counts the clears."""
+
+    def __init__(self) -> None:
+        self.cleared = 0
+
+    def clear_last_error(self) -> None:
+        self.cleared += 1
+
+
 @pytest.fixture
 def fake_cuda(monkeypatch, quiet_gc):
     rt = FakeCudart()
+    rt.runtime = FakeRuntime()  # type: ignore[attr-defined]
+    monkeypatch.setattr(_cuda, "_get_runtime", lambda: rt.runtime)  # type: ignore[attr-defined]
+    # no device here: streams and events are trivially complete
+    monkeypatch.setattr(_cuda.CudaBackend, "current_stream", lambda self: None)
+    monkeypatch.setattr(_cuda.CudaBackend, "record_event", lambda self, stream: None)
+    monkeypatch.setattr(_cuda.CudaBackend, "event_done", lambda self, event: True)
     monkeypatch.setattr(torch.cuda, "init", lambda: None)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
@@ -60,8 +78,8 @@ def test_pinned_memory_is_registered_exactly_and_released(fake_cuda):
     assert fake_cuda.unregistered == []  # a view keeps the registration alive
     del view
     gc.collect()
+    assert pinstage.host_memory_stats()["reserved_bytes"] == before  # collects parked memory
     assert fake_cuda.unregistered == [ptr]
-    assert pinstage.host_memory_stats()["reserved_bytes"] == before
 
 
 def test_failed_registration_raises_and_leaks_nothing(monkeypatch, fake_cuda):
@@ -70,6 +88,7 @@ def test_failed_registration_raises_and_leaks_nothing(monkeypatch, fake_cuda):
     with pytest.raises(RuntimeError, match="cudaHostRegister"):
         _cuda.CudaBackend(0).alloc_pinned(4096)
     assert pinstage.host_memory_stats()["reserved_bytes"] == before
+    assert fake_cuda.runtime.cleared == 1  # the failed call's error is not left set
 
 
 def test_probe_fails_closed_when_pinning_fails(fake_cuda):
