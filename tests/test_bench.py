@@ -198,3 +198,30 @@ def test_gpu_check_runs_on_a_cpu_machine(tmp_path):
     assert report["returncodes"] == {"tests": 0, "doctor": 0, "bench": 0}
     for piece in ("bench.json", "doctor.json", "gpu-tests.xml", "bench.log"):
         assert (tmp_path / piece).exists(), piece
+
+
+def test_gpu_cases_run_on_the_simulated_cuda(monkeypatch):
+    """The accelerator cases, their checks and the pinned-memory measure run (timings on the
+    simulator mean nothing; only that the code paths work and the goals get values)."""
+    from pinstage.testing import simulated_accelerator
+
+    monkeypatch.setattr(bench, "_LARGE", 2**20)
+    monkeypatch.setattr(bench, "_UVA_ROWS", 1024)
+    gpu_cases = [c.name for c in bench.CASES if c.gpu_only]
+    with simulated_accelerator("random", seed=1) as sim:
+        report = bench.run_suite(quick=True, device=sim.device,
+                                 only=[*gpu_cases, "list_upload_256"])
+    assert report["target"] == "cuda:0" and report["skipped"] == []
+    assert [c["name"] for c in report["cases"]] == ["list_upload_256", *gpu_cases]
+    assert report["simulator"] is None  # one simulator at a time: the target is one
+    assert 1.0 <= report["pinned_memory"]["ratio"] < 1.05
+    cases = {c["name"]: c for c in report["cases"]}
+    assert cases["large_pageable_256m"]["bare_pinned_copy_us"] > 0
+    assert cases["small_copy_1k"]["bare_pinned_copy_us"] > 0
+    goals = report["goals"]
+    for name in ("pageable_ge_75pct_of_pinned_bandwidth", "large_pinned_ge_90pct_of_bare",
+                 "small_copy_1k_host_us", "small_cases_0_host_stalls",
+                 "pinned_rss_le_1_05x_requested"):
+        check_goal_shape(name, goals[name])
+        assert goals[name]["status"] in ("pass", "fail"), name
+    assert goals["small_cases_0_host_stalls"]["value"] == 0
