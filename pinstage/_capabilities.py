@@ -65,7 +65,7 @@ def _log_fallbacks(device: torch.device, pin: bool, pin_why: str, uva: bool, uva
                       f"UVA is off for {device}: UvaBufferPool and StagedWriteTensor use "
                       f"device memory and one copy per hand-out (NonUvaBuffer) ({uva_why})")
     if pin and cap is not None:
-        _log_fallback("staging_cap", cap_why,
+        _log_fallback("staging_cap", str(cap),
                       f"pinned staging for {device} is capped at {cap / 2**20:g} MiB by the "
                       f"platform; larger uploads are staged in pieces ({cap_why})")
 
@@ -145,8 +145,9 @@ def _decide(backend: Backend) -> Capabilities:
                             backend.name, None)
 
     pin = probe.can_pin
-    probe_why = "; ".join(probe.reasons) or "the probe found no way"
-    pin_why = uva_why = probe_why
+    # a probe stops at the first thing that fails, so its last line says why (the key of the
+    # once-per-reason log: the same failure on several devices is logged once)
+    pin_why = uva_why = probe.reasons[-1] if probe.reasons else "the probe found no way"
     if pin_policy == "0":
         pin = False
         pin_why = "PINSTAGE_PIN_MEMORY=0 in the environment"
@@ -178,7 +179,8 @@ def _decide(backend: Backend) -> Capabilities:
     limit = staging_limit(probe.staging_limit) if pin else None
     platform_cap = (limit if pin and probe.staging_limit is not None
                     and not os.environ.get("PINSTAGE_STAGING_LIMIT", "").strip() else None)
-    _log_fallbacks(backend.device, pin, pin_why, uva, uva_why, platform_cap, probe_why)
+    cap_why = "; ".join(r for r in probe.reasons if "cap" in r) or "; ".join(probe.reasons)
+    _log_fallbacks(backend.device, pin, pin_why, uva, uva_why, platform_cap, cap_why)
     return Capabilities(backend.device, True, probe.can_pin, pin, uva, tuple(reasons),
                         backend.name, limit)
 

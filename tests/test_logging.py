@@ -45,6 +45,15 @@ def test_no_pinned_memory_is_logged_once(caplog):
     assert "pinned staging is off" in rec.getMessage() and "block the host" in rec.getMessage()
 
 
+def test_same_reason_on_two_devices_and_in_every_mode_is_logged_once(caplog):
+    caplog.set_level(logging.WARNING, logger="pinstage")
+    for mode in ("eager", "lazy", "random"):
+        with simulated_accelerator(mode, pin_memory=False, device_count=2):
+            for i in range(2):
+                pinstage.capabilities(f"cuda:{i}")
+    assert len(records(caplog)) == 1, [r.getMessage() for r in records(caplog)]
+
+
 def test_no_uva_is_logged_once(caplog):
     caplog.set_level(logging.WARNING, logger="pinstage")
     for _ in range(3):
