@@ -369,9 +369,11 @@ def _small_copy(device: torch.device):  # type: ignore[no-untyped-def]
 
 
 def _small_copy_also(device: torch.device) -> dict[str, Callable[[], Any]]:
-    pinned = torch.from_numpy(np.arange(256, dtype=np.int32)).pin_memory()
+    arr = np.arange(256, dtype=np.int32)
+    pinned = torch.from_numpy(arr).pin_memory()
     dst = torch.empty(256, dtype=torch.int32, device=device)
-    return {"bare_pinned_copy": lambda: dst.copy_(pinned, non_blocking=True)}
+    return {"bare_pinned_copy": lambda: dst.copy_(pinned, non_blocking=True),
+            "torch_tensor_to": lambda: torch.tensor(arr).to(device, non_blocking=True)}
 
 
 _UVA_ROWS = 1 << 16  # a 16 MiB float32 table of 64 columns
@@ -436,7 +438,8 @@ CASES = [
     Case("cpugpubuffer_round_trip", "CpuGpuBuffer 512 rows to device and back",
          _buffer_round_trip),
     Case("small_copy_1k", "1 KiB ndarray upload vs torch.from_numpy(a).to(dev, "
-         "non_blocking=True) (bare_pinned_copy_us: a pinned copy_, the floor)", _small_copy,
+         "non_blocking=True) (also: torch.tensor(a).to(...), and bare_pinned_copy_us: a pinned "
+         "copy_, the floor)", _small_copy,
          gpu_only=True, also=_small_copy_also),
     Case("large_pinned_256m", "256 MiB torch-pinned tensor -> device vs its bare copy_",
          _large_pinned, gpu_only=True, bandwidth_bytes=_LARGE, calls_per_round=1),
@@ -744,7 +747,8 @@ def goals(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
         "pinned copy_'s", c.get("pinstage_us"), c.get("baseline_us", 0.0), True,
         why_not("small_copy_1k"),
         **({"bare_pinned_copy_us": c["bare_pinned_copy_us"],
-            "straightforward_us": c["baseline_us"]} if c else {}))
+            "straightforward_us": c["baseline_us"],
+            "torch_tensor_to_us": c.get("torch_tensor_to_us")} if c else {}))
     small = [cases[n] for n in SMALL_CASES if n in cases]
     out["small_cases_0_host_stalls"] = _goal(
         "no host stall inside pinstage in the timed (steady-state) rounds of the small cases",
