@@ -225,6 +225,35 @@ def _launch(backend: Backend, dev: torch.Tensor, batches: Sequence[_Batch],
     backend.launch(_scatter_all, *args, writes=tuple(args[0::3]), label=label)
 
 
+def _fast_stage_write(table: StagedWriteTensor) -> Any:
+    """``table.stage_write`` as a closure over its fixed facts: the engine's hot loop calls it
+    thousands of times a step, and this measured ~5-7% faster than the method (no attribute
+    lookups). It holds the table only weakly, so the table is freed by reference counting as
+    soon as it is dropped (no cycle left for the garbage collector)."""
+    rows, stride, k, limit = table._geom
+    packers = table._packers
+    append = table._append
+    table_ref = weakref.ref(table)
+    general = StagedWriteTensor._stage_general
+
+    def stage_write(index: int, start: int, x: Any) -> None:
+        if type(index) is int and type(start) is int and type(x) is list:
+            n = len(x)
+            if 0 <= index < rows and 0 <= start and index * k + start + n <= limit:
+                try:
+                    append((index * stride + start, n, packers[n].pack(*x)))
+                    return
+                except _FAST_MISS:  # a length not seen yet (or 0), or values to check
+                    pass
+        owner = table_ref()
+        if owner is None:
+            raise ReferenceError("stage_write was called after its StagedWriteTensor was freed")
+        general(owner, index, start, x)
+
+    stage_write.__doc__ = StagedWriteTensor.stage_write.__doc__
+    return stage_write
+
+
 class StagedWriteTensor:
     """A device tensor ``.gpu`` (``rows`` or ``(rows, cols)``) updated by staged writes.
 
@@ -288,6 +317,7 @@ class StagedWriteTensor:
         self._append = self._staged.append  # (the list is only ever cut, never replaced)
         self._lock = threading.Lock()  # apply/clear; staging needs none (one list append)
         self._scratch = _Scratch()
+        self.stage_write = _fast_stage_write(self)  # type: ignore[method-assign]
 
     # -- staging -----------------------------------------------------------------------------
     def clear_staged_writes(self) -> None:

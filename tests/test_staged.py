@@ -456,3 +456,21 @@ def test_batch_larger_than_the_staging_cap_goes_in_pieces(monkeypatch):
         expected[0, 0] = -1
         assert torch.equal(swt.gpu.cpu(), expected.to(torch.int32))
         assert swt.num_staged == 0
+
+
+def test_dropped_table_is_freed_at_once(target):
+    """No reference cycle: a dropped table (and its device and pinned memory) goes when its last
+    reference does, not at some later garbage collection."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        swt = pinstage.StagedWriteTensor((4, 4), torch.int32, target.device)
+        swt.stage_write(0, 0, [1, 2])
+        swt.apply_write()
+        ref = weakref.ref(swt)
+        del swt
+        assert ref() is None
+    finally:
+        gc.enable()
