@@ -180,6 +180,15 @@ def test_get_accelerator_view_from_cpu_tensor(target):
     if target.accelerator:
         with pytest.raises(ValueError, match="pinned"):
             get_accelerator_view_from_cpu_tensor(torch.zeros(4))
+        # vLLM's own idiom: torch's pinned memory, viewed from the device, wrapped by UvaBuffer
+        own = torch.zeros(4, dtype=torch.int32, pin_memory=True)
+        view = get_accelerator_view_from_cpu_tensor(own)
+        wrapped = UvaBuffer(4, torch.int32, target.device, cpu=own)
+        own[:] = torch.tensor([5, 6, 7, 8], dtype=torch.int32)
+        doubled = view * 2
+        target.sync()
+        assert view.device == target.device and doubled.cpu().tolist() == [10, 12, 14, 16]
+        reference_equal(wrapped.uva(), [5, 6, 7, 8])
 
 
 def test_capability_shorthands_and_defaults(target):
