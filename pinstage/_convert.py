@@ -301,7 +301,7 @@ class HostSource:
             raise TypeError(f"{what} has NumPy dtype {arr.dtype}, which torch cannot hold")
         self.shape = arr.shape
         self.dtype = dtype or src
-        self.array = check_fits(arr, self.dtype, what)
+        self.array = arr if self.dtype == src else check_fits(arr, self.dtype, what)
 
     def _from_list(self, data: Sequence[Any], dtype: torch.dtype | None, what: str) -> None:
         tf = type(data[0]) if data else None
