@@ -119,16 +119,23 @@ def _quiet_pinstage_log() -> Iterator[None]:
         log.removeFilter(drop)
 
 
-def _log_warnings_to_stderr() -> None:
-    """Show the ``pinstage`` logger's warnings as ``pinstage: warning: ...`` lines, unless
-    logging is configured already."""
+@contextmanager
+def _warnings_to_stderr() -> Iterator[None]:
+    """Show the ``pinstage`` logger's warnings as ``pinstage: warning: ...`` lines while the
+    command runs, unless logging is configured already."""
     log = logging.getLogger("pinstage")
     if log.handlers or logging.getLogger().handlers:
+        yield
         return
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("pinstage: warning: %(message)s"))
     log.addHandler(handler)
-    log.propagate = False
+    propagate, log.propagate = log.propagate, False
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.propagate = propagate
 
 
 # -- doctor -----------------------------------------------------------------------------------
@@ -357,12 +364,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         device = bench.resolve_target(args.device)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise UsageError(str(exc)) from None
-    _log_warnings_to_stderr()
-
     cb, close = _progress_printer()
     try:
-        report = bench.run_suite(quick=args.quick, device=device, progress=cb,
-                                 only=args.case or None)
+        with _warnings_to_stderr():
+            report = bench.run_suite(quick=args.quick, device=device, progress=cb,
+                                     only=args.case or None)
     finally:
         close()
     print(f"pinstage bench: target {report['target']} ({report['device_name']}), "

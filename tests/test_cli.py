@@ -360,3 +360,14 @@ def test_audit_parse_program():
     assert cli.parse_program(["-cpass"]) == ("-c", "pass", ["-c"])
     assert cli.parse_program([sys.executable, "-m", "mod", "a"]) == ("-m", "mod", ["mod", "a"])
     assert cli.parse_program(["-mmod"]) == ("-m", "mod", ["mod"])
+
+
+def test_bench_shows_fallback_warnings_and_restores_logging(monkeypatch, capsys):
+    import logging
+
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # an unconfigured program
+    log = logging.getLogger("pinstage")
+    with cli._warnings_to_stderr():
+        log.warning("pinned staging is off")
+    assert capsys.readouterr().err == "pinstage: warning: pinned staging is off\n"
+    assert log.handlers == [] and log.propagate
