@@ -18,6 +18,7 @@ import array
 import math
 import struct
 from collections.abc import Iterable, Sequence
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -47,6 +48,7 @@ class NotANumberError(TypeError, ValueError):
 
 
 # -- the rule ---------------------------------------------------------------------------------
+@lru_cache(maxsize=256)
 def _int_bounds(dtype: torch.dtype) -> tuple[int, int] | None:
     """The range of an integer (or bool) dtype; ``None`` for floating and complex ones."""
     if dtype == torch.bool:
@@ -57,6 +59,7 @@ def _int_bounds(dtype: torch.dtype) -> tuple[int, int] | None:
     return int(info.min), int(info.max)
 
 
+@lru_cache(maxsize=256)
 def _float_limit(dtype: torch.dtype) -> float:
     """The smallest magnitude that rounds to infinity in ``dtype`` (its components for complex
     dtypes): ``max + ulp(max) / 2`` (65520 for float16). ``inf`` for float64."""
@@ -80,6 +83,7 @@ def _magnitude(dtype: torch.dtype) -> float:
     return float(max(-int(info.min), int(info.max)))
 
 
+@lru_cache(maxsize=256)
 def fits_without_scan(src: torch.dtype, dst: torch.dtype) -> bool:
     """Whether every value of ``src`` fits ``dst`` (same dtype, bool, or a contained range),
     so no value needs checking."""
