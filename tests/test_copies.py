@@ -45,7 +45,7 @@ def test_arrays_any_strides_and_dtypes(target):
     for a, o in zip(cases, outs):
         ref = np.ascontiguousarray(a).astype(a.dtype.newbyteorder("="))
         assert tuple(o.shape) == a.shape
-        np.testing.assert_array_equal(o.numpy(), ref)
+        np.testing.assert_array_equal(o.cpu().numpy(), ref)
 
 
 def test_tensors_pinned_or_not_contiguous_or_not(target):
@@ -170,7 +170,7 @@ def test_np_to_pinned_tensor(target):
     arr = np.arange(10, dtype=np.float32)[::2]
     t = pinstage.np_to_pinned_tensor(arr)
     assert t.device.type == "cpu"
-    np.testing.assert_array_equal(t.numpy(), arr)
+    np.testing.assert_array_equal(t.cpu().numpy(), arr)
     if pinstage.capabilities().pin_memory:
         assert target.sim.backend.is_pinned(t)
         arr[0] = 100  # a pinned result is a copy
@@ -226,8 +226,8 @@ def test_property_array_round_trip(arr, target_name, seed):
         out = pinstage.async_tensor_h2d(arr, t.device)
         many = pinstage.h2d_many([arr, arr[::-1]], t.device)
         t.sync()
-        np.testing.assert_array_equal(out.numpy(), arr)
-        np.testing.assert_array_equal(many[1].numpy(), arr[::-1])
+        np.testing.assert_array_equal(out.cpu().numpy(), arr)
+        np.testing.assert_array_equal(many[1].cpu().numpy(), arr[::-1])
 
 
 @settings(max_examples=60, deadline=None)
@@ -252,5 +252,5 @@ def test_large_source_into_strided_out(monkeypatch):
         res = pinstage.async_tensor_h2d(src, out=out)
         sim.synchronize()
         assert res is out
-        np.testing.assert_array_equal(out.numpy(), src)
+        np.testing.assert_array_equal(out.cpu().numpy(), src)
         assert float(base[:, 1::2].abs().sum()) == 0.0
