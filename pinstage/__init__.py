@@ -6,8 +6,10 @@ Importing pinstage does no device work and never initialises CUDA.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
+from . import _backend
 from ._audit import Finding, HiddenSyncError, SyncReport, audit
 from ._buffers import (
     CpuGpuBuffer,
@@ -25,6 +27,9 @@ from ._memory import host_memory_stats
 from ._staged import FusedStagedWriter, StagedWriteTensor
 
 __version__ = "0.1.0"
+
+# CUDA (and ROCm through torch.cuda) serves "cuda" devices; its module is imported on first use.
+_backend.register_provider("cuda", lambda: importlib.import_module("._cuda", __name__))
 
 __all__ = [
     "Capabilities",

@@ -63,7 +63,7 @@ def _pinned(t: torch.Tensor) -> bool:
     mode torch would ask the CPU-only build, which knows no pinned memory)."""
     from . import _sim
 
-    sim = _sim._ACTIVE
+    sim = _sim.current()
     if sim is not None and t.device.type == "cpu":
         return sim.is_pinned(t)
     return bool(t.is_pinned())

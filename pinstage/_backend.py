@@ -295,10 +295,37 @@ _lock = threading.Lock()
 SIM_STACK: list[Any] = []
 
 
-def _cuda_module() -> Any:
-    from . import _cuda
+# Accelerator backends plug in here by device type: a loader returning an object with
+# ``available()``, ``current_device()`` and ``backend_for(device)``. The seam imports no
+# concrete backend; ``pinstage/__init__.py`` registers CUDA's loader (which imports ``_cuda``
+# only when a CUDA device is first asked about, so importing pinstage touches no driver).
+_PROVIDERS: dict[str, Callable[[], Any]] = {}
 
-    return _cuda
+
+def register_provider(device_type: str, loader: Callable[[], Any]) -> None:
+    """Make ``loader()`` the provider of backends for ``device_type`` devices."""
+    _PROVIDERS[device_type] = loader
+
+
+class _NoProvider:
+    """No backend is registered for a device type: it is never available."""
+
+    @staticmethod
+    def available() -> bool:
+        return False
+
+    @staticmethod
+    def current_device() -> torch.device:
+        raise RuntimeError("no accelerator backend is registered")
+
+    @staticmethod
+    def backend_for(device: torch.device) -> Backend:
+        raise RuntimeError(f"no pinstage backend is registered for {device.type} devices")
+
+
+def _cuda_module() -> Any:
+    loader = _PROVIDERS.get("cuda")
+    return loader() if loader is not None else _NoProvider
 
 
 def resolve_device(device: Any = None) -> torch.device:

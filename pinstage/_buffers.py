@@ -27,7 +27,7 @@ from ._dtypes import check_dtype, itemsize, torch_to_numpy
 from ._errors import describe
 
 __all__ = ["CpuGpuBuffer", "UvaBuffer", "NonUvaBuffer", "UvaBufferPool", "UvaBackedTensor",
-           "set_default_max_concurrency", "get_default_max_concurrency"]
+           "check_concurrency", "get_default_max_concurrency", "set_default_max_concurrency"]
 
 _DEFAULT_MAX_CONCURRENCY = 2
 _default_lock = threading.Lock()
@@ -36,14 +36,14 @@ _default_lock = threading.Lock()
 def set_default_max_concurrency(n: int) -> None:
     """Default slot count of pools made afterwards (>= the number of engine steps in flight)."""
     global _DEFAULT_MAX_CONCURRENCY
-    _DEFAULT_MAX_CONCURRENCY = _check_concurrency(n)
+    _DEFAULT_MAX_CONCURRENCY = check_concurrency(n)
 
 
 def get_default_max_concurrency() -> int:
     return _DEFAULT_MAX_CONCURRENCY
 
 
-def _check_concurrency(n: Any) -> int:
+def check_concurrency(n: Any) -> int:
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
         raise TypeError(f"max_concurrency must be an int >= 1, got {describe(n)}")
     if n < 1:
@@ -297,7 +297,7 @@ class UvaBufferPool:
                  device: Any = None) -> None:
         self.size = _shape(size)
         self.dtype = check_dtype(dtype)
-        self.max_concurrency = _check_concurrency(
+        self.max_concurrency = check_concurrency(
             _DEFAULT_MAX_CONCURRENCY if max_concurrency is None else max_concurrency)
         self._backend = backend = get_backend(device)
         self.device = backend.device

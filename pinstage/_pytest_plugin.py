@@ -45,8 +45,8 @@ def simulated_cuda(request: pytest.FixtureRequest) -> Iterator[Any]:
     from pinstage import _sim
     from pinstage.testing import simulated_accelerator
 
-    if _sim._ACTIVE is not None:
-        yield _sim._ACTIVE
+    if _sim.current() is not None:
+        yield _sim.current()
         return
     mode = request.config.getoption("pinstage_simulate") or "lazy"
     with simulated_accelerator(mode=mode, seed=request.config.getoption("pinstage_seed")) as s:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ._backend import Backend, get_backend, refuse_capture
-from ._buffers import UvaBuffer, _check_concurrency, get_default_max_concurrency
+from ._buffers import UvaBuffer, check_concurrency, get_default_max_concurrency
 from ._capabilities import capabilities_for
 from ._convert import NotANumberError, values_bytes
 from ._dtypes import STRUCT_CODES, check_dtype, itemsize, packer, torch_to_numpy
@@ -285,7 +285,7 @@ class StagedWriteTensor:
         self.num_rows = self.shape[0]
         self.num_cols = self.shape[1] if len(self.shape) == 2 else 1
         self.dtype = dtype
-        self.max_concurrency = _check_concurrency(
+        self.max_concurrency = check_concurrency(
             get_default_max_concurrency() if max_concurrency is None else max_concurrency)
         backend = get_backend(device)
         self._backend = backend
@@ -432,7 +432,7 @@ class FusedStagedWriter:
         if max_writes < 0:
             raise ValueError(f"max_writes must be >= 0, got {max_writes}")
         self.max_writes = int(max_writes)
-        self.max_concurrency = _check_concurrency(
+        self.max_concurrency = check_concurrency(
             get_default_max_concurrency() if max_concurrency is None else max_concurrency)
         self._backend = get_backend(device)
         self.device = self._backend.device

@@ -24,7 +24,7 @@ def _simulated() -> bool:
     """Running under ``--pinstage-simulate`` (random mode may have run the queue already)."""
     from pinstage import _sim
 
-    return _sim._ACTIVE is not None
+    return _sim.current() is not None
 
 
 def _host_did_not_wait(elapsed: float, limit: float) -> bool:
@@ -32,8 +32,9 @@ def _host_did_not_wait(elapsed: float, limit: float) -> bool:
     ``--pinstage-simulate`` (timing means nothing there): no host stall was counted."""
     from pinstage import _sim
 
-    if _sim._ACTIVE is not None:
-        return _sim._ACTIVE.stats.host_stalls == 0
+    if _sim.current() is not None:
+        sim = _sim.current()
+        return sim is not None and sim.stats.host_stalls == 0
     return elapsed < limit
 
 
@@ -214,7 +215,7 @@ def _run_script(code: str, *args: str, env: dict[str, str] | None = None) -> str
 
     from pinstage import _sim
 
-    if _sim._ACTIVE is not None:  # this suite runs under --pinstage-simulate: so does the child
+    if _sim.current() is not None:  # this suite runs under --pinstage-simulate: so does the child
         args = (*args, "--simulate")
     proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
                           timeout=120, env={**os.environ, **(env or {})})

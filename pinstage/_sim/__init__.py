@@ -38,7 +38,8 @@ from ._sched import (
     run_op,
 )
 
-__all__ = ["MODES", "HazardError", "SimStats", "Simulator", "active", "simulated_accelerator"]
+__all__ = ["MODES", "HazardError", "SimStats", "Simulator", "active", "current",
+           "simulated_accelerator"]
 
 MODES = ("eager", "lazy", "random")
 
@@ -93,6 +94,11 @@ class _Ranges:
 
 
 _ACTIVE: Simulator | None = None
+
+
+def current() -> Simulator | None:
+    """The open simulator, or ``None``."""
+    return _ACTIVE
 
 
 def active() -> Simulator:
