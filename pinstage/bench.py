@@ -626,11 +626,7 @@ def pinned_rss(device: Any) -> dict[str, Any]:
 def _simulator_open() -> bool:
     from . import _sim
 
-    try:
-        _sim.active()
-    except RuntimeError:
-        return False
-    return True
+    return _sim.current() is not None
 
 
 def resolve_target(device: Any = None) -> torch.device:
