@@ -106,10 +106,10 @@ def test_pageable_copies_block_and_count_as_stalls():
 
 def test_work_on_one_stream_runs_in_order_and_waits_at_host_reads():
     with simulated_accelerator("lazy") as sim:
-        x = torch.zeros(4, device="cuda")
+        x = torch.zeros(4, device="cuda")  # a fill kernel
         for _ in range(5):
             x.add_(1)
-        assert sim.pending == 5  # nothing ran: the host has not waited yet
+        assert sim.pending == 6  # nothing ran: the host has not waited yet
         assert x.tolist() == [5.0] * 4  # a host read waits for what it depends on
         assert sim.pending == 0
 
@@ -117,7 +117,8 @@ def test_work_on_one_stream_runs_in_order_and_waits_at_host_reads():
 def _two_stream_step(wait: bool) -> list[int]:
     side = torch.cuda.Stream()
     src = torch.arange(8).pin_memory()
-    dst = torch.zeros(8, dtype=torch.int64, device="cuda")
+    dst = torch.zeros(8, dtype=torch.int64, device="cuda")  # a fill on the default stream
+    side.wait_stream(torch.cuda.current_stream())  # ... which the side stream must wait for
     with torch.cuda.stream(side):
         dst.copy_(src, non_blocking=True)
         dst.mul_(2)
@@ -326,7 +327,7 @@ def test_sim_launch_and_stats():
             t += 5
 
         sim.launch(kernel, x, writes=(x,))
-        assert sim.pending == 1 and sim.stats.launches >= 1
+        assert sim.pending == 2 and sim.stats.launches >= 2  # the zeros fill, the kernel
         assert x.tolist() == [5.0] * 3
         assert set(sim.stats.as_dict()) >= {"copies", "launches", "host_stalls", "syncs"}
 
@@ -347,3 +348,66 @@ def test_one_simulator_at_a_time_and_bad_arguments():
 def test_hazard_error_names_itself_plainly():
     assert HazardError.__module__ == "pinstage.testing"
     assert "pinstage._errors" not in repr(HazardError("x"))
+
+
+def test_factories_are_kernels_on_the_current_stream():
+    """zeros/arange... write their values on the stream, so a side stream that does not wait
+    for the stream that made a tensor can see garbage, and a graph captures the fill."""
+    with simulated_accelerator("lazy"):
+        side = torch.cuda.Stream()
+        x = torch.arange(4, device="cuda")
+        with torch.cuda.stream(side):
+            y = x + 1  # no wait_stream: the arange has not run
+        assert y.tolist() != [1, 2, 3, 4]
+        g = torch.cuda.CUDAGraph()
+        src = torch.ones(4, device="cuda")
+        with torch.cuda.graph(g):
+            acc = torch.zeros(4, device="cuda")
+            acc += src
+        g.replay()
+        g.replay()
+        assert acc.tolist() == [1.0] * 4  # zeroed again by each replay
+
+
+def test_reviewer_findings_stay_fixed():
+    with simulated_accelerator("lazy"):
+        # an upload and a download through one pinned buffer, in stream order: no hazard
+        buf = torch.arange(4.0).pin_memory()
+        d = torch.empty(4, device="cuda")
+        d.copy_(buf, non_blocking=True)
+        d.mul_(2)
+        buf.copy_(d, non_blocking=True)
+        torch.cuda.synchronize()
+        assert buf.tolist() == [0.0, 2.0, 4.0, 6.0]
+        # polling an event finishes in lazy mode too
+        e = torch.cuda.Event()
+        torch.ones(1, device="cuda").add_(1)
+        e.record()
+        spins = 0
+        while not e.query():
+            spins += 1
+        assert spins < 100
+        # .to(int) means a CUDA device index; uint8 poison is not 0
+        assert torch.ones(2).to(0).device == torch.device("cuda", 0)
+        assert torch.empty(4, dtype=torch.uint8, device="cuda").cpu().tolist() == [255] * 4
+        assert d.type(torch.float64).device.type == "cuda"
+    with simulated_accelerator(device_count=2, mode="lazy"):
+        a = torch.arange(4.0, device="cuda:0")
+        b = a.to("cuda:1")
+        a.fill_(-1)  # the peer copy is ordered on the source stream too
+        torch.cuda.synchronize()
+        assert b.tolist() == [0.0, 1.0, 2.0, 3.0]
+    with simulated_accelerator():
+        with pytest.raises(NotImplementedError, match="autograd"):
+            torch.nn.Linear(3, 2).cuda()
+
+
+def test_a_thread_pool_outlives_one_simulator():
+    from concurrent.futures import ThreadPoolExecutor
+
+    with simulated_accelerator():
+        pool = ThreadPoolExecutor(2)
+        assert pool.submit(lambda: torch.ones(2, device="cuda").sum().item()).result() == 2.0
+    with simulated_accelerator():
+        assert pool.submit(lambda: torch.ones(3, device="cuda").sum().item()).result() == 3.0
+    pool.shutdown()

@@ -19,6 +19,7 @@ import bisect
 import contextlib
 import itertools
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,7 @@ __all__ = ["MODES", "HazardError", "SimStats", "Simulator", "active", "current",
            "simulated_accelerator"]
 
 MODES = ("eager", "lazy", "random")
+POLLS_BEFORE_PROGRESS = 16  # query() calls on unfinished work before the device "catches up"
 
 
 @dataclass
@@ -69,28 +71,30 @@ class _Ranges:
     def __init__(self) -> None:
         self._starts: list[int] = []
         self._items: dict[int, tuple[int, Any]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a block's __del__ may run inside add() (GC)
 
-    def add(self, start: int, end: int, owner: Any) -> None:
+    def add(self, start: int, end: int, owner: Any, weak: bool = False) -> None:
+        """``weak``: the range lives as long as ``owner`` does (torch-pinned blocks)."""
+        ref = weakref.ref(owner) if weak else (lambda: owner)
         with self._lock:
             if start not in self._items:
                 bisect.insort(self._starts, start)
-            self._items[start] = (end, owner)
+            self._items[start] = (end, ref)
 
     def remove(self, start: int) -> Any:
         with self._lock:
             item = self._items.pop(start, None)
             if item is not None:
                 del self._starts[bisect.bisect_left(self._starts, start)]
-            return None if item is None else item[1]
+            return None if item is None else item[1]()
 
     def find(self, ptr: int) -> Any:
         with self._lock:
             i = bisect.bisect_right(self._starts, ptr) - 1
             if i < 0:
                 return None
-            end, owner = self._items[self._starts[i]]
-            return owner if ptr < end else None
+            end, ref = self._items[self._starts[i]]
+            return ref() if ptr < end else None
 
 
 _ACTIVE: Simulator | None = None
@@ -148,6 +152,7 @@ class Simulator:
         self._defaults = [SimStream(_sim=self, _index=i) for i in range(device_count)]
         self._backends: dict[int, Any] = {}
         self._capturing = 0
+        self._polls: dict[tuple[int, int], int] = {}
 
     # -- devices and streams -----------------------------------------------------------------
     def new_stream_id(self) -> int:
@@ -248,6 +253,9 @@ class Simulator:
         """Queue ``op`` on ``stream`` (or record it into the graph capturing ``stream``)."""
         if self.closed:
             raise RuntimeError("a simulated CUDA tensor was used after its simulator closed")
+        if stream._sim is not self:
+            raise RuntimeError(f"{stream!r} belongs to a simulator that has closed; make "
+                               "streams inside the simulator that uses them")
         if self.sticky_error is not None:
             err, self.sticky_error = self.sticky_error, None
             raise RuntimeError(f"CUDA error: {err} (a sticky error left by an earlier failed "
@@ -285,6 +293,18 @@ class Simulator:
                     return
                 s = ready[int(self._rng.integers(0, len(ready)))]
                 self._run_until(s, s._queue[0].seq)
+
+    def poll(self, stream: SimStream, seq: int) -> bool:
+        """A host polling ``query()``: a real device gets there eventually, so after a few
+        polls of unfinished work (counted per point), the simulator runs it."""
+        key = (id(stream), seq)
+        n = self._polls.get(key, 0) + 1
+        self._polls[key] = n
+        if n < POLLS_BEFORE_PROGRESS:
+            return False
+        self._polls.pop(key, None)
+        self._run_until(stream, seq)
+        return True
 
     def _run_until(self, stream: SimStream, seq: int) -> None:
         while stream._done < seq and stream._queue:

@@ -43,14 +43,17 @@ _NOT_PINSTAGE_CALLS = (os.path.join(_PKG, "bench.py"), os.path.join(_PKG, "cli.p
 
 
 def poison_(t: torch.Tensor) -> None:
-    """Fill ``t`` with an obviously wrong value: NaN for floats, the dtype's minimum for
-    integers (what a destination holds until the device writes it)."""
+    """Fill ``t`` with an obviously wrong value: NaN for floats, the dtype's minimum for signed
+    integers, its maximum for unsigned ones (what a destination holds until the device
+    writes it)."""
     if t.numel() == 0:
         return
     if t.dtype.is_floating_point or t.dtype.is_complex:
         t.fill_(float("nan"))
     elif t.dtype == torch.bool:
         t.fill_(True)
+    elif torch.iinfo(t.dtype).min == 0:  # unsigned: the minimum (0) would look like data
+        t.fill_(torch.iinfo(t.dtype).max)
     else:
         t.fill_(torch.iinfo(t.dtype).min)
 
@@ -99,7 +102,7 @@ class PinnedBlock:
         self._sim = sim
         self.__array_interface__ = {"data": (self.ptr, False), "shape": (nbytes,),
                                     "typestr": "|u1", "version": 3}
-        sim.pinned.add(self.ptr, self.ptr + max(nbytes, 1), self)
+        sim.pinned.add(self.ptr, self.ptr + max(nbytes, 1), self, weak=True)
 
     def __del__(self) -> None:
         try:
@@ -124,6 +127,7 @@ class HostRead:
     layout: tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype, int] | None
     snapshot: torch.Tensor | None
     span: tuple[int, int]
+    frozen: torch.Tensor | None = None  # the values it will read, taken before poisoning
 
     @classmethod
     def of(cls, sim: Simulator, t: torch.Tensor, what: str, snapshot: bool = True) -> HostRead:
@@ -155,7 +159,19 @@ class HostRead:
             raw = torch.cat([raw, raw.new_zeros(pad)])
         return raw.view(dtype).as_strided(shape, stride, offset)
 
+    def freeze(self, label: str) -> None:
+        """The simulator is about to poison memory this pending read covers (a device-to-host
+        destination queued after it): by stream order the read happens first, so keep what
+        it will see now (unless the host already changed it: that hazard still raises)."""
+        if self.frozen is not None:
+            return
+        t = self.resolve(label)
+        if self.snapshot is None or torch.equal(host_bytes(t), self.snapshot):
+            self.frozen = t.clone()
+
     def check(self, label: str) -> torch.Tensor:
+        if self.frozen is not None:
+            return self.frozen
         t = self.resolve(label)
         if self.snapshot is not None and not torch.equal(host_bytes(t), self.snapshot):
             raise HazardError(
@@ -227,7 +243,9 @@ class SimStream:
         self._sim.check_not_capturing("Stream.query()")
         with self._sim.lock:
             self._sim.maybe_progress()
-            return self._done >= self._last
+            if self._done < self._last:
+                return self._sim.poll(self, self._last)
+            return True
 
     def synchronize(self) -> None:
         self._sim.host_wait(self, self._last, "Stream.synchronize()", explicit=True)
@@ -291,7 +309,9 @@ class SimEvent:
             return True
         with self._sim.lock:
             self._sim.maybe_progress()
-            return self._stream._done >= self._seq
+            if self._stream._done < self._seq:
+                return self._sim.poll(self._stream, self._seq)
+            return True
 
     def synchronize(self) -> None:
         if self._stream is None:
@@ -305,6 +325,11 @@ class SimEvent:
     def elapsed_time(self, end_event: SimEvent) -> float:
         if not (self.enable_timing and end_event.enable_timing):
             raise ValueError("Both events must be created with argument 'enable_timing=True'")
+        if self._stream is None or end_event._stream is None:
+            raise RuntimeError("CUDA error: device not ready (elapsed_time of an event that "
+                               "was not recorded; simulated)")
+        self.synchronize()
+        end_event.synchronize()
         return 0.0
 
     def __repr__(self) -> str:

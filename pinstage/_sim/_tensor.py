@@ -266,8 +266,10 @@ def _type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False,
                 torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
                 torch.bool: "Bool"}.get(self.dtype, "")
         return f"torch.cuda.{name}Tensor"
+    if isinstance(dtype, str):
+        dtype = dtype.replace(".cuda.", ".")  # 'torch.cuda.DoubleTensor': stay on the device
     with torch._C.DisableTorchFunctionSubclass():
-        return _T.type(_to_proxy(self), dtype, non_blocking, **kwargs)
+        return _from_proxy(_T.type(_to_proxy(self), dtype, non_blocking, **kwargs))
 
 
 def _new_tensor(self: torch.Tensor, data: Any, dtype: Any = None, device: Any = None,
@@ -285,10 +287,19 @@ def _to(self: Any, *args: Any, **kwargs: Any) -> Any:
     if len(args) >= 4 and isinstance(args[-1], bool) and not isinstance(args[0], torch.Tensor):
         copy = bool(args[-1])  # to(device, dtype, non_blocking, copy)
         args = args[:-1]
+    if args and isinstance(args[0], int) and not isinstance(args[0], bool):
+        args = (torch.device("cuda", args[0]), *args[1:])  # .to(local_rank)
+    if isinstance(kwargs.get("device"), int) and not isinstance(kwargs["device"], bool):
+        kwargs["device"] = torch.device("cuda", kwargs["device"])
     device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
     dtype = dtype or self.dtype
     sim = _active()
     if not is_device(self):
+        if device is not None and device.type == "cuda" and self.requires_grad:
+            raise NotImplementedError(
+                "the simulated CUDA does not support autograd: tensors that require grad "
+                "(nn.Module parameters) cannot move to a simulated device; run the model "
+                "under torch.no_grad() on CPU tensors, or test it on a real GPU")
         if device is None or device.type != "cuda":
             with torch._C.DisableTorchFunction():
                 return _T.to(self, *args, copy=copy, **kwargs)  # type: ignore[call-overload]
@@ -612,6 +623,10 @@ def _copy(sim: Simulator, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         writes = [span(d_in)] if dst._host is not None else []
         sim.enqueue(stream, Op("device-to-device copy", lambda _: d_in.copy_(s_in), reads,
                                deps=deps, host_writes=writes), "d2d_copies")
+        if deps:  # PyTorch orders a peer copy on both devices' current streams
+            other = deps[0][0]
+            sim.enqueue(other, Op("wait for a peer copy", None,
+                                  deps=[(stream, stream._last)]), None)
         return dst
     if is_device(dst):  # host -> device
         if not isinstance(src, torch.Tensor):
@@ -656,6 +671,12 @@ def _d2h(sim: Simulator, dst: torch.Tensor, src: Any, nb: bool) -> Any:
     stream = sim.current_stream(src._sim_device)
     s_in = src._inner
     if nb and sim.is_pinned(dst):  # async into pinned memory: poison until it runs
+        lo, hi = span(dst)
+        for s in sim.all_streams():  # queued reads of this memory run before the copy lands
+            for op in s._queue:
+                for r in op.reads:
+                    if r.span[0] < hi and lo < r.span[1]:
+                        r.freeze(op.label)
         with torch._C.DisableTorchFunction():
             poison_(dst)
         read = HostRead.of(sim, dst, "destination of a device-to-host copy (written by the "
@@ -770,12 +791,25 @@ def _factory(sim: Simulator, func: Any, args: Any, kwargs: dict[str, Any]) -> An
     out = func(*args, **kw)
     if not isinstance(out, torch.Tensor):
         return out
-    if name.startswith("empty") or name == "new_empty":
+    return _device_result(sim, out, index, empty=name.startswith("empty") or
+                          name == "new_empty")
+
+
+def _device_result(sim: Simulator, values: torch.Tensor, index: int,
+                   empty: bool) -> SimTensor:
+    """A factory's result on simulated device ``index``. Only ``empty`` is free: the values
+    of ``zeros``/``arange``/``randn``... are written by a kernel on the current stream
+    (captured in a graph, ordered against other streams), so until it runs they are poison."""
+    if empty:
         if sim.mode != "eager":
-            poison_(out)
-    else:
-        sim.stats.launches += 1
-    return SimTensor(out, torch.device("cuda", index))
+            poison_(values)
+        return SimTensor(values, torch.device("cuda", index))
+    inner = torch.empty_strided(values.shape, values.stride(), dtype=values.dtype)
+    if sim.mode != "eager":
+        poison_(inner)
+    sim.enqueue(sim.current_stream(index), Op("fill (factory kernel)",
+                                              lambda _: inner.copy_(values)))
+    return SimTensor(inner, torch.device("cuda", index))
 
 
 def _pinned_factory(sim: Simulator, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -799,8 +833,10 @@ class SimFunctionMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        sim = self.sim
-        if sim.closed:
+        from . import current
+
+        sim = current()  # whichever simulator is open now (a pooled thread outlives one)
+        if sim is None:
             return func(*args, **kwargs)
         handler = _MODE.get(func)
         if handler is not None:
@@ -825,20 +861,19 @@ class SimDispatchMode(TorchDispatchMode):
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         device = kwargs.get("device")
-        if device is not None and not self.sim.closed and _is_cuda(device) and \
+        from . import current
+
+        sim = current()
+        if device is not None and sim is not None and _is_cuda(device) and \
                 not any(is_device(x) for x in args):
-            index = self.sim.device_index(device)
+            index = sim.device_index(device)
             kw = dict(kwargs)
             kw["device"] = torch.device("cpu")
             kw.pop("pin_memory", None)
             out = func(*args, **kw)
             if isinstance(out, torch.Tensor):
-                if func.overloadpacket in _EMPTY_OPS:
-                    if self.sim.mode != "eager":
-                        poison_(out)
-                else:
-                    self.sim.stats.launches += 1
-                return SimTensor(out, torch.device("cuda", index))
+                return _device_result(sim, out, index,
+                                      empty=func.overloadpacket in _EMPTY_OPS)
             return out
         return func(*args, **kwargs)
 
@@ -869,13 +904,20 @@ _spread_lock = threading.Lock()
 def spread_to_new_threads(sim: Simulator) -> None:
     """Threads started from now on enter the function mode before they run."""
 
-    def hook(frame: Any, event: str, arg: Any) -> None:
-        sys.setprofile(None)
+    previous = threading.getprofile() if hasattr(threading, "getprofile") else None
+
+    def hook(frame: Any, event: str, arg: Any) -> Any:
+        sys.setprofile(previous)  # the user's own profile hook, if any, takes over
         if not sim.closed:
             enter_modes(sim)
+        return previous(frame, event, arg) if previous is not None else None  # type: ignore[arg-type]
 
     with _spread_lock:
+        _saved_profile[:] = [previous]
         threading.setprofile(hook)
+
+
+_saved_profile: list[Any] = [None]
 
 
 def enter_modes(sim: Simulator) -> Callable[[], None]:
@@ -893,4 +935,4 @@ def enter_modes(sim: Simulator) -> Callable[[], None]:
 
 def stop_spreading() -> None:
     with _spread_lock:
-        threading.setprofile(None)  # type: ignore[arg-type]
+        threading.setprofile(_saved_profile[0])
