@@ -247,6 +247,9 @@ def synchronize(device: Any = None) -> None:
     """Wait until all device work pinstage issued for ``device`` has completed, then take
     back the staging and parked pinned memory that work was reading."""
     backend = get_backend(device)
+    state = device_state(backend)
+    pending = state.pending()  # pinned memory dropped before this sync: free once it is done
     backend.synchronize()
-    device_state(backend).drain()
+    state.release_synced(pending)
+    state.drain()
 

@@ -146,6 +146,23 @@ class DeviceState:
         for item in finished:
             item.finish()
 
+    def pending(self) -> list[Any]:
+        """What is dropped or parked now (to pass to ``release_synced`` after a full sync)."""
+        with _LOCK:
+            return [*self.dead, *(item for item, _ in self.parked)]
+
+    def release_synced(self, items: list[Any]) -> None:
+        """Give back ``items`` at once: the device was synchronized after they were dropped,
+        so every reader queued before has completed."""
+        ids = {id(i) for i in items}
+        with _LOCK:
+            kept = [i for i in self.dead if id(i) not in ids]
+            self.dead.clear()
+            self.dead.extend(kept)
+            self.parked[:] = [(i, e) for i, e in self.parked if id(i) not in ids]
+        for item in items:
+            item.finish()
+
     def _fences(self, backend: Backend | None, item: Any) -> list[Any]:
         """Events on the stream current when ``item`` was dropped and on every stream seen."""
         if backend is None:
@@ -544,12 +561,17 @@ class Region:
         return torch.from_numpy(self.block.np[self.start : self.start + n])
 
 
+class _AllOf(tuple):  # type: ignore[type-arg]
+    """Several events (one per stream) that together fence one region."""
+
+
 class _Claim(weakref.ref):  # type: ignore[type-arg]
     """A weak reference from a region to the ``Staging`` that owns it: if the owner dies with
     the region unreleased (an interrupt skipped ``__exit__``), the arena gets the claim back
     through a C-level callback (no Python frame an interrupt could skip) and releases it."""
 
     __slots__ = ("region",)
+    region: Region
 
 
 class Staging:
@@ -578,6 +600,16 @@ class Staging:
         region = self.region
         if region is not None:
             self.arena.release(region)
+
+
+class _Wake:
+    """One waiter of the arena's condition: its lock is released by the next ``release``."""
+
+    __slots__ = ("lock",)
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.lock.acquire()
 
 
 class _Block:
@@ -638,8 +670,11 @@ class StagingArena:
     def _init_runtime(self) -> None:
         self._blocks: list[_Block] = []  # retired blocks first, the current one last
         self._lock = _LOCK
-        self._cond = threading.Condition(_LOCK)
-        self._sleepers = 0  # threads waiting on the condition
+        # Threads waiting for regions other threads fill: a condition variable whose waits
+        # happen outside the lock (one lock per waiter, released by ``release``), so an
+        # interrupt during a wait can never leave the arena lock in a wrong state, as one
+        # landing inside ``threading.Condition.wait`` can.
+        self._waiters: deque[Any] = deque()
         self._batches: dict[Any, _Batch] = {}  # stream -> released regions not fenced yet
         self._abandoned: deque[_Claim] = deque()
 
@@ -680,10 +715,13 @@ class StagingArena:
                 if region is not None:
                     return region
                 event = self._wait_for_room(me)
-            if type(event) is tuple:  # the lock is not held while the host waits
+            # The lock is not held while this thread waits.
+            if type(event) is _Wake:  # for another thread to release what it fills
+                event.lock.acquire(timeout=WAIT_SLICE_S)
+            elif type(event) is _AllOf:  # for the device, on several streams
                 for e in event:
                     self.backend.wait_event(e)
-            elif event is not None:
+            elif event is not None:  # for the device
                 self.backend.wait_event(event)
 
     def release(self, region: Region) -> None:
@@ -712,23 +750,28 @@ class StagingArena:
         region.claim = None  # the owner is done with it: no callback when the owner dies
         if len(batch.regions) >= FENCE_EVERY or batch.nbytes * 8 >= region.block.size:
             self._fence(stream)
-        if self._sleepers:
-            self._cond.notify_all()
+        if self._waiters:
+            self._notify_all()
 
     def _release_abandoned(self) -> None:
         """Release regions whose owner died without releasing them (caller holds the lock)."""
         while self._abandoned:
-            region = getattr(self._abandoned.popleft(), "region", None)
-            if region is None or region.state != _FILLING:
-                continue
-            # Its filler may have queued a reader on any stream: fence on all those seen.
-            streams = dict.fromkeys([self.backend.current_stream(), *self.state.streams])
-            region.stream = None
-            region.event = tuple(self.backend.record_event(s) for s in streams)
-            region.state = _FENCED
-            region.claim = None
-        if self._sleepers:
-            self._cond.notify_all()
+            claim = self._abandoned[0]  # popped once handled (an interrupt here retries it)
+            region = getattr(claim, "region", None)
+            if region is not None and region.state == _FILLING:
+                # Its filler may have queued a reader on any stream: fence on all those seen.
+                streams = dict.fromkeys([self.backend.current_stream(), *self.state.streams])
+                region.event = _AllOf(self.backend.record_event(s) for s in streams)
+                region.state = _FENCED
+                region.claim = None
+            self._abandoned.popleft()
+        if self._waiters:
+            self._notify_all()
+
+    def _notify_all(self) -> None:
+        waiters = self._waiters
+        while waiters:
+            waiters.popleft().release()
 
     def _fence(self, stream: Any) -> None:
         batch = self._batches.get(stream)
@@ -747,7 +790,7 @@ class StagingArena:
             self._fence(stream)
 
     def _done(self, event: Any) -> bool:
-        if type(event) is tuple:
+        if type(event) is _AllOf:
             return all(self.backend.event_done(e) for e in event)
         return self.backend.event_done(event)
 
@@ -763,7 +806,9 @@ class StagingArena:
         if holder is not None:
             # Ownership first: from here on an interrupt is undone by the holder.
             holder.region = region
-            region.claim = _Claim(holder, self._abandoned.append)
+            claim = _Claim(holder, self._abandoned.append)
+            claim.region = region
+            region.claim = claim
         block.head = start + n
         block.live.append(region)
         # Straight-line code from here (no call, no loop: nowhere an interrupt is delivered),
@@ -822,8 +867,8 @@ class StagingArena:
         return True
 
     def _wait_for_room(self, me: int) -> Any:
-        """Wait until the oldest region may free up (caller holds the lock). Returns an event
-        to wait for with the lock released, or ``None`` to try again at once."""
+        """What to wait for, with the lock released, until the oldest region may free up
+        (caller holds the lock): a device event, a ``_Wake``, or ``None`` to try again."""
         oldest = next((b.live[0] for b in self._blocks if b.live), None)
         if oldest is None:
             return None
@@ -839,14 +884,11 @@ class StagingArena:
                     "arena is full behind it (a region held across another staging request, "
                     "or alloc() without release()); release it first or raise "
                     "PINSTAGE_STAGING_LIMIT")
-            # Another thread is filling it: wait for its release (the condition is notified),
+            # Another thread is filling it: wait for its release (which wakes every waiter),
             # re-checking now and then for regions whose owner was interrupted.
-            self._sleepers += 1
-            try:
-                self._cond.wait(WAIT_SLICE_S)
-            finally:
-                self._sleepers -= 1
-            return None
+            wake = _Wake()
+            self._waiters.append(wake.lock)
+            return wake
         if oldest.state == _RELEASED:
             self._fence(oldest.stream)  # recorded on the stream that read it
             if oldest.state == _RELEASED:  # in no batch (a fence was interrupted): its own
@@ -895,7 +937,9 @@ def _at_exit() -> None:
             backend = state.backend
             if backend is None or not state.outstanding():
                 continue
+            pending = state.pending()
             backend.synchronize()
+            state.release_synced(pending)
             state.drain()
         except BaseException:  # noqa: BLE001 - at exit the device may already be gone
             pass
