@@ -425,6 +425,24 @@ def _meta(x: Any) -> Any:
 
 _CPU_OK = {aten.index, aten.index_put_, aten.index_put, aten._index_put_impl_}
 
+# Output shapes by (op, input shapes/strides/dtypes, other arguments): working them out on
+# meta tensors is most of the cost of a simulated op, and engines repeat the same ops.
+_META_CACHE: dict[Any, Any] = {}
+_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+            torch.memory_format)
+
+
+def _meta_key(func: Any, flat: list[Any], spec: Any) -> Any:
+    parts: list[Any] = [func, spec]
+    for x in flat:
+        if isinstance(x, torch.Tensor):
+            parts.append((tuple(x.shape), x.stride(), x.dtype, is_device(x) or x.dim() > 0))
+        elif isinstance(x, _SCALARS):
+            parts.append((type(x), x))
+        else:
+            return None
+    return tuple(parts)
+
 
 def _aliased_arg(func: Any, i: int, args: Any, kwargs: dict[str, Any]) -> Any:
     """The argument that return ``i`` of ``func`` aliases and writes (in-place / out=), or
@@ -474,11 +492,18 @@ def _deferred(sim: Simulator, func: Any, args: Any, kwargs: dict[str, Any]) -> A
     packet = func.overloadpacket
     flat, spec = pytree.tree_flatten((args, kwargs))
     device, proxy = _devices(flat, allow_cpu=packet in _CPU_OK)
-    try:
-        ma, mk = pytree.tree_unflatten([_meta(x) for x in flat], spec)
-        meta_out = func(*ma, **mk)
-    except Exception:  # noqa: BLE001 - data-dependent output size, or no meta kernel
-        return _host_fallback(sim, func, args, kwargs, device, proxy)
+    key = _meta_key(func, flat, spec)
+    meta_out = _META_CACHE.get(key) if key is not None else None
+    if meta_out is None:
+        try:
+            ma, mk = pytree.tree_unflatten([_meta(x) for x in flat], spec)
+            meta_out = func(*ma, **mk)
+        except Exception:  # noqa: BLE001 - data-dependent output size, or no meta kernel
+            return _host_fallback(sim, func, args, kwargs, device, proxy)
+        if key is not None:
+            if len(_META_CACHE) > 4096:
+                _META_CACHE.clear()
+            _META_CACHE[key] = meta_out
     fresh: list[tuple[int, torch.Tensor]] = []
 
     def make(i: int, m: torch.Tensor) -> torch.Tensor:
