@@ -265,7 +265,8 @@ def test_pool_fences_each_hand_out_on_its_own_stream(monkeypatch):
         monkeypatch.setattr(backend, "record_event", record)
         pool = pinstage.UvaBufferPool(4, torch.int64, max_concurrency=2, device=sim.device)
         s1, s2 = torch.cuda.Stream(sim.device), torch.cuda.Stream(sim.device)
-        seen = torch.zeros(3, dtype=torch.int64, device=sim.device)
+        seen = torch.zeros(3, dtype=torch.int64, device=sim.device)  # filled on the default
+        s1.wait_stream(torch.cuda.current_stream())  # stream: s1 must not overtake the fill
         with torch.cuda.stream(s1):
             first = pool.copy_to_uva([1, 2, 3])
             seen.copy_(first)  # a reader of hand-out 1, queued on stream 1
