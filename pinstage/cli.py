@@ -371,6 +371,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                      only=args.case or None)
     finally:
         close()
+    # the files first: a closed stdout (``pinstage bench | head``) must not lose them
+    if args.json:
+        _write(args.json, "--json", lambda: _write_json(report, args.json))
+    if args.plot and report["cases"]:
+        _write(args.plot, "--plot", lambda: write_plot(report, args.plot))
     print(f"pinstage bench: target {report['target']} ({report['device_name']}), "
           f"{'quick' if args.quick else 'full'} run")
     print(format_table(report))
@@ -381,13 +386,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
               f"steady-state engine steps: {sim['steady_state_host_stalls_50_steps']}")
     print("goals:")
     print(format_goals(report["goals"]))
+    for path in (args.json, args.plot if report["cases"] else None):
+        if path:
+            print(f"wrote {path}")
     if report["interrupted"]:
         print(f"pinstage bench: interrupted; {len(report['cases'])} finished case(s) above"
               + (f" and in {args.json}" if args.json else ""), file=sys.stderr)
-    if args.json:
-        _write(args.json, "--json", lambda: _write_json(report, args.json))
-    if args.plot and report["cases"]:
-        _write(args.plot, "--plot", lambda: write_plot(report, args.plot))
     return 130 if report["interrupted"] else 0
 
 
@@ -401,7 +405,6 @@ def _write(path: str, flag: str, write: Callable[[], None]) -> None:
         write()
     except OSError as exc:
         raise UsageError(f"{flag} {path!r} could not be written: {exc.strerror or exc}") from None
-    print(f"wrote {path}")
 
 
 # -- audit ------------------------------------------------------------------------------------
@@ -631,6 +634,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"pinstage {args.cmd}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout closed early (``| head``): stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":
