@@ -74,10 +74,12 @@ def main(argv: list[str]) -> int:
                       for r in range(world) if r != rank]
             total = torch.tensor([checksum], dtype=torch.int64)
             dist.all_reduce(total)  # over gloo: CPU tensors
-            print(f"rank {rank}/{world} on {device}: checksum {checksum} matches NumPy; "
-                  f"all-reduced {int(total.item())}; pinned staging for {device}: "
-                  f"{mine['reserved_bytes']} bytes reserved, other devices in this process: "
-                  f"{others}", flush=True)
+            line = (f"rank {rank}/{world} on {device}: checksum {checksum} matches NumPy; "
+                    f"all-reduced {int(total.item())}; pinned staging for {device}: "
+                    f"{mine['reserved_bytes']} bytes reserved, other devices in this "
+                    f"process: {others}\n")
+            sys.stdout.write(line)  # one write: the ranks share the terminal
+            sys.stdout.flush()
             if any(others):
                 raise SystemExit(f"rank {rank}: another device's staging state was used")
     finally:

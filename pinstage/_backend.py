@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +42,9 @@ class Probe:
     staging_limit: int | None = None  # a platform-imposed default cap (e.g. WSL)
 
 
+_LIVE: weakref.WeakSet[Backend] = weakref.WeakSet()  # every backend (locks reset after fork)
+
+
 class Backend(abc.ABC):
     """What a primitive may ask of a device. Copies and launches go on the current stream.
 
@@ -55,6 +60,11 @@ class Backend(abc.ABC):
         self.stalls = 0  # host waits for unfinished device work inside pinstage calls
         self.caps_cache: tuple[Any, Any] | None = None  # (environment key, Capabilities)
         self._arena: StagingArena | None = None
+        self._arena_lock = threading.Lock()
+        _LIVE.add(self)
+
+    def reset_after_fork(self) -> None:
+        """In a forked child: locks another thread of the parent held are new and free."""
         self._arena_lock = threading.Lock()
 
     # -- facts -------------------------------------------------------------------------------
@@ -290,6 +300,16 @@ def explicit_wait_active() -> bool:
 _CPU = CpuBackend()
 _GENERIC: dict[torch.device, GenericBackend] = {}
 _lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()
+    for backend in list(_LIVE):
+        backend.reset_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 # The simulator installs itself here (pinstage.testing); a stack so contexts can nest.
 SIM_STACK: list[Any] = []

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from typing import Any
 
@@ -31,6 +32,14 @@ _HOST_REGISTER_MAPPED = 0x02
 
 _backends: dict[int, CudaBackend] = {}
 _lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def available() -> bool:
@@ -184,6 +193,12 @@ class CudaBackend(Backend):
         self._probe_lock = threading.Lock()
         self._events: dict[Any, tuple[list[Any], list[int]]] = {}
         self._events_lock = threading.Lock()
+
+    def reset_after_fork(self) -> None:
+        super().reset_after_fork()
+        self._probe_lock = threading.Lock()
+        self._events_lock = threading.Lock()
+        self._events = {}  # the parent's CUDA events mean nothing in the child
 
     # -- facts -------------------------------------------------------------------------------
     def probe(self) -> Probe:
