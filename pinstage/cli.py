@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import builtins
+import dataclasses
 import json
 import logging
 import os
@@ -202,8 +203,12 @@ def _doctor(args: argparse.Namespace) -> int:
         caps = pinstage.capabilities(args.device)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise UsageError(str(exc)) from None
+    from ._memory import staging_limit_in_force
+
+    limit = staging_limit_in_force(caps.device)  # the cap the arena uses, read once per device
+    caps = dataclasses.replace(caps, staging_limit=limit)
     report: dict[str, Any] = {"capabilities": caps.as_dict(), "advice": _advice(caps),
-                              "staging_limit": caps.staging_limit,
+                              "staging_limit": limit,
                               "host_memory": pinstage.host_memory_stats()}
     import torch
 

@@ -371,3 +371,17 @@ def test_bench_shows_fallback_warnings_and_restores_logging(monkeypatch, capsys)
         log.warning("pinned staging is off")
     assert capsys.readouterr().err == "pinstage: warning: pinned staging is off\n"
     assert log.handlers == [] and log.propagate
+
+
+def test_doctor_shows_the_staging_limit_in_force(monkeypatch, capsys):
+    """The limit is read when a device's staging state is first used; a later change of the
+    variable does not change it, and doctor shows the one in force."""
+    from pinstage.testing import simulated_accelerator
+
+    monkeypatch.setenv("PINSTAGE_STAGING_LIMIT", "8MiB")
+    with simulated_accelerator():
+        assert cli.main(["doctor", "--no-probe"]) == 0
+        monkeypatch.setenv("PINSTAGE_STAGING_LIMIT", "64MiB")
+        assert cli.main(["doctor", "--no-probe"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("staging cap:  8 MiB") == 2 and "64 MiB" not in out
