@@ -30,8 +30,6 @@ from pinstage._memory import HostRegion, StagingArena
 from pinstage.testing import simulated_accelerator
 
 SIM_MODES = ["eager", "lazy", "random"]
-SIM_XFAIL = pytest.mark.xfail(strict=False,
-                              reason="simulator not thread-safe yet (lead rewriting)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -313,7 +311,7 @@ def test_stress_cpu_target(monkeypatch, cap):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("cap", ["4KiB", "16KiB"])
-@pytest.mark.parametrize("mode", [pytest.param(m, marks=SIM_XFAIL) for m in SIM_MODES])
+@pytest.mark.parametrize("mode", SIM_MODES)
 def test_stress_simulator_threads(monkeypatch, mode, cap):
     monkeypatch.setenv("PINSTAGE_STAGING_LIMIT", cap)
     with simulated_accelerator(mode, seed=3) as sim:
@@ -630,7 +628,6 @@ def test_fork_while_threads_upload_on_the_cpu_target():
 
 @needs_fork
 @pytest.mark.timeout(240)
-@SIM_XFAIL
 def test_fork_while_threads_upload_on_the_simulator(monkeypatch):
     monkeypatch.setenv("PINSTAGE_STAGING_LIMIT", "16KiB")
     with simulated_accelerator("eager") as sim:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import itertools
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -371,6 +372,18 @@ class Simulator:
         for backend in list(self._backends.values()):
             device_state(backend).collect()
         self.closed = True
+
+
+def _after_fork_in_child() -> None:
+    """A child forked while another thread was inside the simulator: that thread is gone, so
+    the locks it held are made anew (its half-run operation is simply not run)."""
+    sim = _ACTIVE
+    if sim is not None:
+        sim.lock = threading.RLock()
+        sim.pinned._lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _set_active(sim: Simulator | None) -> None:
