@@ -166,7 +166,25 @@ def host_region_tensor(nbytes: int, *, in_use: bool = True,
     return region.as_tensor()
 
 
-class CpuBackend(Backend):
+class _NothingToFence:
+    """Streams and events for a backend whose copies finish before they return (the CPU
+    target; blocking torch copies on other device types): there is nothing to fence, so every
+    event is already complete. Named in each such backend's bases, never a default."""
+
+    def current_stream(self) -> Any:
+        return None
+
+    def record_event(self, stream: Any) -> Any:
+        return None
+
+    def event_done(self, event: Any) -> bool:
+        return True
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+
+class CpuBackend(_NothingToFence, Backend):
     """The host is the target: everything is finished when the call returns."""
 
     name = "cpu"
@@ -196,24 +214,11 @@ class CpuBackend(Backend):
     def uva_view(self, host: torch.Tensor) -> torch.Tensor:
         return host
 
-    # Everything is finished when a call returns: no streams, events are already complete.
-    def current_stream(self) -> Any:
-        return None
-
-    def record_event(self, stream: Any) -> Any:
-        return None
-
-    def event_done(self, event: Any) -> bool:
-        return True
-
-    def wait_event(self, event: Any) -> None:
-        return None
-
     def synchronize(self) -> None:
-        return None
+        return None  # everything is finished when a call returns
 
 
-class GenericBackend(Backend):
+class GenericBackend(_NothingToFence, Backend):
     """Another torch device type: plain torch copies, no pinned staging or UVA.
 
     Copies here are blocking when the device is real; that is the platform's limit and is said
@@ -244,19 +249,6 @@ class GenericBackend(Backend):
     def copy_d2d(self, dst: torch.Tensor, src: torch.Tensor, label: str = "") -> None:
         dst.copy_(src)
 
-    # Copies here are blocking (no pinned staging), so there is nothing to fence; device
-    # kernels on xpu/mps are ordered by torch itself.
-    def current_stream(self) -> Any:
-        return None
-
-    def record_event(self, stream: Any) -> Any:
-        return None
-
-    def event_done(self, event: Any) -> bool:
-        return True
-
-    def wait_event(self, event: Any) -> None:
-        return None
 
     def synchronize(self) -> None:
         sync = getattr(getattr(torch, self.device.type, None), "synchronize", None)

@@ -49,6 +49,22 @@ def _active() -> Simulator:
 # the tensor types
 
 
+_CPU = torch.device("cpu")
+
+
+def _wrapper(cls: Any, inner: torch.Tensor, device: torch.device, host: Any,
+             reported: torch.device) -> torch.Tensor:
+    """A tensor of type ``cls`` with ``inner``'s layout, reporting ``reported`` as its device,
+    whose data is ``inner`` on simulated ``device``."""
+    r = torch.Tensor._make_wrapper_subclass(
+        cls, inner.size(), strides=inner.stride(), storage_offset=inner.storage_offset(),
+        dtype=inner.dtype, device=reported, layout=inner.layout, requires_grad=False)
+    r._inner = inner
+    r._host = host
+    r._sim_device = device
+    return r
+
+
 class SimTensor(torch.Tensor):
     """A tensor on a simulated CUDA device; its data lives in ``_inner`` (a CPU tensor)."""
 
@@ -58,13 +74,7 @@ class SimTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, inner: torch.Tensor, device: torch.device, host: Any = None) -> SimTensor:
-        r = torch.Tensor._make_wrapper_subclass(
-            cls, inner.size(), strides=inner.stride(), storage_offset=inner.storage_offset(),
-            dtype=inner.dtype, device=device, layout=inner.layout, requires_grad=False)
-        r._inner = inner
-        r._host = host
-        r._sim_device = device
-        return r  # type: ignore[no-any-return]
+        return _wrapper(cls, inner, device, host, reported=device)  # type: ignore[return-value]
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
@@ -89,14 +99,7 @@ class _Proxy(torch.Tensor):
 
     @staticmethod
     def __new__(cls, inner: torch.Tensor, device: torch.device, host: Any = None) -> _Proxy:
-        r = torch.Tensor._make_wrapper_subclass(
-            cls, inner.size(), strides=inner.stride(), storage_offset=inner.storage_offset(),
-            dtype=inner.dtype, device=torch.device("cpu"), layout=inner.layout,
-            requires_grad=False)
-        r._inner = inner
-        r._host = host
-        r._sim_device = device
-        return r  # type: ignore[no-any-return]
+        return _wrapper(cls, inner, device, host, reported=_CPU)  # type: ignore[return-value]
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
