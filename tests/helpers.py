@@ -53,3 +53,23 @@ def reference_equal(actual: torch.Tensor, expected: Any) -> None:
     exp = torch.as_tensor(expected)
     assert actual.shape == exp.shape, (actual.shape, exp.shape)
     assert torch.equal(actual.cpu().to(exp.dtype), exp), (actual, exp)
+
+
+def run_threads(work: Any, n: int, timeout: float = 60.0) -> None:
+    """Run ``work(t)`` on ``n`` threads with a tiny switch interval (to interleave them often)
+    and fail if any is still running after ``timeout`` seconds (a hang fails, never passes)."""
+    import sys
+    import threading
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work, args=(t,), daemon=True) for t in range(n)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout)
+    finally:
+        sys.setswitchinterval(old)
+    hung = [th.name for th in threads if th.is_alive()]
+    assert not hung, f"threads still running after {timeout} s (deadlock?): {hung}"

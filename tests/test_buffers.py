@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import sys
 import threading
 
 import numpy as np
 import pytest
 import torch
+from helpers import reference_equal, run_threads
 
 import pinstage
-from helpers import reference_equal
 from pinstage.testing import HazardError, simulated_accelerator
 
 
@@ -284,8 +283,6 @@ def test_pool_shared_by_threads_never_returns_another_threads_data(target):
     pool = pinstage.UvaBufferPool((3,), torch.int64, max_concurrency=2, device=target.device)
     steps = 1500 if target.sim is None else 100  # the simulator runs every op in Python
     bad: list[object] = []
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
 
     def work(t: int) -> None:
         try:
@@ -302,14 +299,7 @@ def test_pool_shared_by_threads_never_returns_another_threads_data(target):
         except BaseException as exc:  # noqa: BLE001 - reported below
             bad.append(exc)
 
-    try:
-        ts = [threading.Thread(target=work, args=(t,)) for t in range(6)]
-        for th in ts:
-            th.start()
-        for th in ts:
-            th.join(60)
-    finally:
-        sys.setswitchinterval(old)
+    run_threads(work, 6)
     assert not bad, bad[:5]
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import make_target, reference_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import pinstage
-from helpers import make_target, reference_equal
 
 LIST_CASES = [
     ([1, 2, 3], None, torch.int64),

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import array
-import sys
-import threading
 
 import numpy as np
 import pytest
 import torch
+from helpers import TARGET_IDS, make_target, run_threads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pinstage
-from helpers import TARGET_IDS, make_target
 from pinstage.testing import simulated_accelerator
 
 DTYPES = [torch.int32, torch.int64, torch.float32, torch.float16, torch.bfloat16]
@@ -313,8 +311,6 @@ def test_threads_staging_into_one_table(target):
     swt = pinstage.StagedWriteTensor((rows_per_thread * threads, 16), torch.int64, target.device)
     ref = np.zeros((rows_per_thread * threads, 16), np.int64)
     errors: list[BaseException] = []
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
 
     def work(t: int) -> None:
         try:
@@ -331,14 +327,7 @@ def test_threads_staging_into_one_table(target):
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    try:
-        ts = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
-        for th in ts:
-            th.start()
-        for th in ts:
-            th.join(60)
-    finally:
-        sys.setswitchinterval(old)
+    run_threads(work, threads)
     assert not errors, errors
     swt.apply_write()
     target.sync()
