@@ -1,15 +1,18 @@
 """``StagedWriteTensor`` and ``FusedStagedWriter``: many small writes into device tables,
 applied as one batch.
 
-Each ``stage_write`` is checked at once (position, and the values by the one conversion rule)
-and kept as one ``(flat offset, length, bytes)`` entry, appended in one atomic list operation:
-several threads may stage into one table at once. ``apply_write`` resolves overlapping writes
-on the host (the last staged write wins, so the device never sees duplicate positions, whose
-order a GPU scatter does not define), packs int64 positions and values into a region of the
-device's pinned staging arena, and enqueues one flat-index ``scatter_`` per table that reads
-them through UVA, or after one host-to-device copy without UVA. The region is released as soon
-as the kernel is queued: the arena fences it with an event after that kernel, so a burst of
-applies with the device far behind never makes the host wait (only the arena's cap can).
+Each ``stage_write`` checks its position at once and records one ``(flat offset, length,
+values)`` entry in one atomic list append, so several threads may stage into one table at
+once. The values of a list or tuple are kept as a tuple and converted by ``apply_write`` (one
+cached ``struct`` pack each, the conversion rule's fast path; a value that does not fit is
+refused there, before anything is written, and the batch stays staged); any other input is
+converted when staged. ``apply_write`` resolves overlapping writes on the host (the last staged
+write wins, so the device never sees duplicate positions, whose order a GPU scatter does not
+define), packs int64 positions and values into a region of the device's pinned staging arena,
+and enqueues one flat-index ``scatter_`` per table that reads them through UVA, or after one
+host-to-device copy without UVA. The region is released as soon as the kernel is queued: the
+arena fences it with an event after that kernel, so a burst of applies with the device far
+behind never makes the host wait (only the arena's cap can).
 """
 
 from __future__ import annotations
@@ -225,35 +228,6 @@ def _launch(backend: Backend, dev: torch.Tensor, batches: Sequence[_Batch],
     backend.launch(_scatter_all, *args, writes=tuple(args[0::3]), label=label)
 
 
-def _fast_stage_write(table: StagedWriteTensor) -> Any:
-    """``table.stage_write`` as a closure over its fixed facts: the engine's hot loop calls it
-    thousands of times a step, and this measured ~5-7% faster than the method (no attribute
-    lookups). It holds the table only weakly, so the table is freed by reference counting as
-    soon as it is dropped (no cycle left for the garbage collector)."""
-    rows, stride, k, limit = table._geom
-    packers = table._packers
-    append = table._append
-    table_ref = weakref.ref(table)
-    general = StagedWriteTensor._stage_general
-
-    def stage_write(index: int, start: int, x: Any) -> None:
-        if type(index) is int and type(start) is int and type(x) is list:
-            n = len(x)
-            if 0 <= index < rows and 0 <= start and index * k + start + n <= limit:
-                try:
-                    append((index * stride + start, n, packers[n].pack(*x)))
-                    return
-                except _FAST_MISS:  # a length not seen yet (or 0), or values to check
-                    pass
-        owner = table_ref()
-        if owner is None:
-            raise ReferenceError("stage_write was called after its StagedWriteTensor was freed")
-        general(owner, index, start, x)
-
-    stage_write.__doc__ = StagedWriteTensor.stage_write.__doc__
-    return stage_write
-
-
 class StagedWriteTensor:
     """A device tensor ``.gpu`` (``rows`` or ``(rows, cols)``) updated by staged writes.
 
@@ -313,11 +287,12 @@ class StagedWriteTensor:
         else:
             self._geom = (self.num_rows, 1, 1, self.num_rows)
         self._packers: dict[int, struct.Struct] = {}
-        self._staged: list[tuple[int, int, bytes]] = []  # (flat offset, length, values)
+        # (flat offset, length, values): values as checked bytes of ``dtype``, or the tuple of
+        # a list or tuple given to stage_write, converted by apply_write
+        self._staged: list[tuple[int, int, bytes | tuple[Any, ...]]] = []
         self._append = self._staged.append  # (the list is only ever cut, never replaced)
         self._lock = threading.Lock()  # apply/clear; staging needs none (one list append)
         self._scratch = _Scratch()
-        self.stage_write = _fast_stage_write(self)  # type: ignore[method-assign]
 
     # -- staging -----------------------------------------------------------------------------
     def clear_staged_writes(self) -> None:
@@ -331,20 +306,20 @@ class StagedWriteTensor:
         return sum(e[1] for e in self._staged[:])
 
     def stage_write(self, index: int, start: int, x: Any) -> None:
-        """Stage ``gpu[index, start:start+len(x)] = x`` (1-D: ``gpu[index+start:...]``);
-        position and values are checked now. ``x``: any iterable of numbers, an array or a
-        CPU tensor."""
-        # The engine's hot loop: ints, a list, a size seen before. One cached struct packs
-        # and range-checks the values in C; one list append records the write atomically.
-        if type(index) is int and type(start) is int and type(x) is list:
+        """Stage ``gpu[index, start:start+len(x)] = x`` (1-D: ``gpu[index+start:...]``).
+        ``x``: any iterable of numbers, an array or a CPU tensor. The position is checked
+        now (``IndexError``); the values of a list or tuple are checked by ``apply_write``
+        (which then writes nothing and keeps the batch staged), any other ``x`` now."""
+        # The engine's hot loop: ints and a non-empty list. The position is checked here and
+        # a tuple copy of the values recorded in one atomic list append; apply_write packs
+        # them (one cached struct each, in C), so a call costs little more than a bare pack.
+        if type(index) is int and type(start) is int and (type(x) is list
+                                                          or type(x) is tuple):
             rows, stride, k, limit = self._geom
             n = len(x)
-            if 0 <= index < rows and 0 <= start and index * k + start + n <= limit:
-                try:
-                    self._append((index * stride + start, n, self._packers[n].pack(*x)))
-                    return
-                except _FAST_MISS:  # a length not seen yet (or 0), or values to check
-                    pass
+            if n and 0 <= index < rows and 0 <= start and index * k + start + n <= limit:
+                self._append((index * stride + start, n, tuple(x)))
+                return
         self._stage_general(index, start, x)
 
     def _stage_general(self, index: Any, start: Any, x: Any) -> None:
@@ -360,8 +335,6 @@ class StagedWriteTensor:
             raise IndexError(f"staged write at {where} is outside the {self.shape} tensor")
         if n == 0:
             return
-        if self._code is not None and n not in self._packers and len(self._packers) < 256:
-            self._packers[n] = packer(self._code, n)  # the fast path handles this size now
         self._staged.append((row * stride + col, n, data))
 
     def stage_write_elem(self, index: int, x: Any) -> None:
@@ -384,9 +357,10 @@ class StagedWriteTensor:
         self._staged.append((row * self._geom[1], n, data))
 
     # -- applying ----------------------------------------------------------------------------
-    def _batch(self) -> _Batch | None:
+    def _batch(self, label: str) -> _Batch | None:
         """The writes staged now, resolved (positions unique, the last staged write wins).
-        Entries staged meanwhile by other threads stay for the next apply."""
+        Entries staged meanwhile by other threads stay for the next apply. Raises (and
+        changes nothing) when a value staged as a list does not convert by the rule."""
         entries = self._staged[:]
         k = len(entries)
         if not k:
@@ -402,20 +376,62 @@ class StagedWriteTensor:
             ends = np.cumsum(lens)
             idx = np.repeat(starts - (ends - lens), lens) + np.arange(int(ends[-1]),
                                                                       dtype=np.int64)
-        vals = np.frombuffer(bytearray().join(chunks), self._np_dtype)
+        vals = np.frombuffer(self._values(entries, chunks, length, label), self._np_dtype)
         keep = _last_writes(starts, lens, idx, length)
         if keep is not None:
             idx, vals = idx[keep], vals[keep]
         return _Batch(self, k, idx, vals)
 
+    def _values(self, entries: Sequence[tuple[int, int, Any]], chunks: Sequence[Any],
+                length: int, label: str) -> bytearray:
+        """The values of ``entries`` as one run of bytes of ``dtype``: checked bytes as they
+        are, tuples packed by the cached ``struct`` of their length (which range-checks in C;
+        ``length``: the common length of all entries, or 0). A size not seen yet, or values
+        the pack refuses, take :meth:`_encode`."""
+        packers = self._packers
+        try:
+            if length:  # one packer for all (block-table appends)
+                pack = packers[length].pack
+                parts = [c if type(c) is bytes else pack(*c) for c in chunks]
+            else:
+                parts = [c if type(c) is bytes else packers[len(c)].pack(*c) for c in chunks]
+        except _FAST_MISS:
+            parts = [self._encode(e, label) for e in entries]
+        return bytearray().join(parts)
+
+    def _encode(self, entry: tuple[int, int, Any], label: str) -> bytes:
+        """One entry's values as bytes of ``dtype``, by the conversion rule; its error names
+        the staged write."""
+        off, n, values = entry
+        if type(values) is bytes:
+            return values
+        pk = self._packers.get(n)
+        if pk is None and self._code is not None and len(self._packers) < 256:
+            pk = self._packers[n] = packer(self._code, n)
+        if pk is not None:
+            try:
+                return pk.pack(*values)
+            except _FAST_MISS:
+                pass  # the rule below says exactly what is wrong, or converts (3.0 into int32)
+        try:
+            return values_bytes(list(values), self.dtype, "x", self._backend)[0]
+        except (TypeError, ValueError) as exc:
+            rows, stride, k, _ = self._geom
+            where = (f"elements {off}..{off + n}" if k else
+                     f"row {off // stride}, columns {off % stride}..{off % stride + n}")
+            raise type(exc)(f"{label}: the write staged at {where} is refused: {exc}. Nothing "
+                            "was written and the staged writes stay staged "
+                            "(clear_staged_writes() drops them)") from None
+
     def apply_write(self) -> None:
         """Enqueue device work that makes every staged write visible in ``.gpu``, in staging
         order; clears the staged list. At most one host-to-device copy for the batch."""
         with self._lock:
-            batch = self._batch()
+            label = "StagedWriteTensor.apply_write"
+            batch = self._batch(label)
             if batch is None:
                 return
-            _apply(self._backend, [batch], self._scratch, "StagedWriteTensor.apply_write")
+            _apply(self._backend, [batch], self._scratch, label)
             del self._staged[: batch.count]  # only once queued: a failed apply keeps them
 
 
@@ -461,9 +477,10 @@ class FusedStagedWriter:
             for lk in locks:
                 lk.acquire()
             try:
-                batches = [b for b in (t._batch() for t in tables) if b is not None]
+                label = "FusedStagedWriter.apply"
+                batches = [b for b in (t._batch(label) for t in tables) if b is not None]
                 if batches:
-                    _apply(self._backend, batches, self._scratch, "FusedStagedWriter.apply")
+                    _apply(self._backend, batches, self._scratch, label)
                     for b in batches:
                         del b.table._staged[: b.count]
             finally:

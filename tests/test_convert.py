@@ -54,19 +54,43 @@ def test_table_row_refused_by_copies_and_pools(target, entry, row):
         ENTRY_POINTS[entry](data, target.device)
 
 
+def _deferred(data):
+    """Whether stage_write leaves checking these values to apply_write (a list or tuple)."""
+    return isinstance(data, (list, tuple))
+
+
 @pytest.mark.parametrize("row", list(ROWS))
 def test_table_row_refused_by_stage_write(target, row):
+    """Refused when staged (arrays), or by apply_write before it writes anything (lists, whose
+    values are packed there): then nothing is written and every staged write stays staged."""
     data, exc, message = ROWS[row]
-    swt = pinstage.StagedWriteTensor((2, 8), torch.int32, target.device)
-    swt.stage_write(1, 0, [5])
-    with pytest.raises(exc, match=message):
-        swt.stage_write(0, 0, data)
-    with pytest.raises(exc, match=message):
-        swt.stage_write(0, 0, x=data)
-    assert swt.num_staged == 1  # the earlier write stays staged
-    swt.apply_write()
-    target.sync()
-    assert swt.gpu[1, 0].item() == 5 and int(swt.gpu.abs().sum()) == 5
+    def stage(swt, call):
+        if call == "positional":
+            swt.stage_write(0, 0, data)
+        else:
+            swt.stage_write(0, 0, x=data)
+
+    for call in ("positional", "keyword"):
+        swt = pinstage.StagedWriteTensor((2, 8), torch.int32, target.device)
+        swt.stage_write(1, 0, [5])
+        if _deferred(data):
+            stage(swt, call)
+            with pytest.raises(exc, match=message):
+                swt.apply_write()
+            with pytest.raises(exc, match=r"row 0, columns 0\.\.\d+ is refused"):
+                swt.apply_write()  # still staged, still refused, naming the write
+            assert swt.num_staged == 1 + len(data)
+            target.sync()
+            assert int(swt.gpu.abs().sum()) == 0  # nothing written, not even the good write
+            swt.clear_staged_writes()
+            swt.stage_write(1, 0, [5])
+        else:
+            with pytest.raises(exc, match=message):
+                stage(swt, call)
+            assert swt.num_staged == 1  # the earlier write stays staged
+        swt.apply_write()
+        target.sync()
+        assert swt.gpu[1, 0].item() == 5 and int(swt.gpu.abs().sum()) == 5
 
 
 @pytest.mark.parametrize("row", list(ROWS))
@@ -80,14 +104,28 @@ def test_table_row_refused_by_stage_write_elem(target, row):
 
 @pytest.mark.parametrize("row", list(ROWS))
 def test_table_row_refused_by_fused_writer_tables(target, row):
-    """FusedStagedWriter applies what StagedWriteTensor staged: refused before it gets there."""
-    data, exc, _ = ROWS[row]
+    """FusedStagedWriter applies what StagedWriteTensor staged: values are refused when staged
+    or, for a list, by apply(), which then writes nothing to any table and keeps every write."""
+    data, exc, message = ROWS[row]
     a = pinstage.StagedWriteTensor((2, 4), torch.int32, target.device)
-    with pytest.raises(exc):
+    b = pinstage.StagedWriteTensor(4, torch.int64, target.device)
+    writer = pinstage.FusedStagedWriter(target.device, 16)
+    b.stage_write(1, 1, [7, 8])
+    if _deferred(data):
         a.stage_write(0, 0, data)
-    pinstage.FusedStagedWriter(target.device, 16).apply([a])
+        with pytest.raises(exc, match=message):
+            writer.apply([b, a])
+        assert b.num_staged == 2 and a.num_staged == len(data)
+        target.sync()
+        assert int(a.gpu.abs().sum()) == 0 and int(b.gpu.abs().sum()) == 0
+        a.clear_staged_writes()
+    else:
+        with pytest.raises(exc, match=message):
+            a.stage_write(0, 0, data)
+    writer.apply([b, a])
     target.sync()
     assert int(a.gpu.abs().sum()) == 0
+    assert b.gpu.tolist() == [0, 0, 7, 8]
 
 
 def test_same_dtype_sources_are_not_scanned():

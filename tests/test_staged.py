@@ -80,30 +80,64 @@ def test_out_of_bounds_refused_and_earlier_writes_kept(target):
     assert int(swt.gpu.abs().sum()) == 3
 
 
+def _refused(swt, target, bad, exc, match=None):
+    """Stage ``bad`` at (0, 0) and check that it is refused: by ``stage_write`` for arrays and
+    tensors, by ``apply_write`` for a list or tuple (its values are packed there), which then
+    writes nothing and keeps every staged write; either way the table is unchanged."""
+    before = swt.num_staged
+    if isinstance(bad, (list, tuple)):
+        swt.stage_write(0, 0, bad)
+        with pytest.raises(exc, match=match):
+            swt.apply_write()
+        assert swt.num_staged == before + len(bad)  # nothing lost
+        target.sync()
+        assert float(swt.gpu.double().abs().sum()) == 0  # nothing written
+        swt.clear_staged_writes()
+    else:
+        with pytest.raises(exc, match=match):
+            swt.stage_write(0, 0, bad)
+        assert swt.num_staged == before
+        swt.clear_staged_writes()
+
+
 @pytest.mark.parametrize("dtype,bad", [
     (torch.int32, [2**40]), (torch.int32, np.array([2**31], np.int64)),
     (torch.int64, [2**70]), (torch.float16, [1e6]), (torch.bfloat16, [1e39]),
-    (torch.int32, torch.tensor([-(2**31) - 1])),
+    (torch.int32, torch.tensor([-(2**31) - 1])), (torch.float32, (1e39, 0.0)),
 ])
 def test_value_that_does_not_fit_is_refused(target, dtype, bad):
     swt = pinstage.StagedWriteTensor((2, 4), dtype, target.device)
     swt.stage_write(1, 0, [1])
-    with pytest.raises((ValueError, OverflowError)):
-        swt.stage_write(0, 0, bad)
+    _refused(swt, target, bad, (ValueError, OverflowError))
+    swt.stage_write(1, 0, [1])
     swt.apply_write()
     target.sync()
-    assert float(swt.gpu[1, 0]) == 1.0 and float(swt.gpu[0, 0]) == 0.0
+    assert float(swt.gpu[1, 0]) == 1.0 and float(swt.gpu.double().abs().sum()) == 1.0
 
 
 @pytest.mark.parametrize("bad,exc", [
     (["a"], (TypeError, ValueError)), ("abc", TypeError), ([[1, 2]], ValueError),
-    ([1.5], ValueError), (5, TypeError), ({1: 2}, TypeError),
+    ([1.5], ValueError), (5, TypeError), ({1: 2}, TypeError), ((1, None), ValueError),
+    (np.array([0.5]), ValueError),
 ])
 def test_bad_values(target, bad, exc):
     swt = pinstage.StagedWriteTensor((2, 4), torch.int32, target.device)
-    with pytest.raises(exc):
-        swt.stage_write(0, 0, bad)
+    _refused(swt, target, bad, exc)
     assert swt.num_staged == 0
+
+
+def test_list_values_are_copied_when_staged(target):
+    """The caller may change its list as soon as stage_write returns (its values are packed
+    only by apply_write): the write keeps the values it had."""
+    swt = pinstage.StagedWriteTensor((2, 4), torch.int32, target.device)
+    values = [1, 2, 3]
+    swt.stage_write(0, 1, values)
+    values[0] = 99
+    values.append(5)
+    swt.stage_write(1, 0, [3.0, np.int64(4)])  # integral floats and NumPy ints convert
+    swt.apply_write()
+    target.sync()
+    assert swt.gpu.tolist() == [[0, 1, 2, 3], [3, 4, 0, 0]]
 
 
 def test_bad_index_types(target):
