@@ -180,18 +180,33 @@ def _disjoint_writes(device: torch.device) -> dict[str, Callable[[], Any]]:
 _WRITES_PER_CALL = 64
 
 
+_CALL_VALUES = list(range(1000, 1016))
+
+
+def _staging_loop(device: torch.device) -> tuple[pinstage.StagedWriteTensor,
+                                                 Callable[[], None]]:
+    """A (1024, 64) int32 table and a loop staging 64 writes of 16 ints into it."""
+    rows = range(_WRITES_PER_CALL)
+    swt = pinstage.StagedWriteTensor((1024, 64), torch.int32, device)
+
+    def stage() -> None:
+        for r in rows:
+            swt.stage_write(r, 8, _CALL_VALUES)  # as engine code calls it (no bound method)
+
+    return swt, stage
+
+
 def _stage_write_call(device: torch.device):  # type: ignore[no-untyped-def]
     """``stage_write`` of 16 ints, 64 per call (then the staged list is cleared, as
     ``apply_write`` would); the baseline packs the same ints with ``struct.pack``, 64 times.
     ``stage_write`` checks the position and copies the list; ``apply_write`` packs the values,
     so ``stage_and_apply_us`` (the same 64 writes staged, then applied) shows the whole cost."""
-    values = list(range(1000, 1016))
+    values = _CALL_VALUES
     rows = range(_WRITES_PER_CALL)
-    swt = pinstage.StagedWriteTensor((1024, 64), torch.int32, device)
+    swt, stage = _staging_loop(device)
 
     def ours() -> None:
-        for r in rows:
-            swt.stage_write(r, 8, values)
+        stage()
         swt.clear_staged_writes()
 
     def base() -> None:
@@ -212,13 +227,10 @@ def _stage_write_call(device: torch.device):  # type: ignore[no-untyped-def]
 
 def _stage_and_apply(device: torch.device) -> dict[str, Callable[[], Any]]:
     """The writes of ``stage_write_call`` staged and then applied (the packing included)."""
-    values = list(range(1000, 1016))
-    rows = range(_WRITES_PER_CALL)
-    swt = pinstage.StagedWriteTensor((1024, 64), torch.int32, device)
+    swt, stage = _staging_loop(device)
 
     def stage_and_apply() -> None:
-        for r in rows:
-            swt.stage_write(r, 8, values)
+        stage()
         swt.apply_write()
 
     return {"stage_and_apply": stage_and_apply}
