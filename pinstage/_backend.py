@@ -55,6 +55,10 @@ class Backend(abc.ABC):
     device: torch.device
     name: str = "base"
     accelerator: bool = True
+    # Whether host values pinstage reads later than it was handed them (a staged list's
+    # elements, read by apply_write) are checked to be unchanged then: the simulated CUDA's
+    # backend does (a changed one raises HazardError); real backends cannot afford to.
+    checks_deferred_reads: bool = False
 
     def __init__(self) -> None:
         self.stalls = 0  # host waits for unfinished device work inside pinstage calls

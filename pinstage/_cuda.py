@@ -189,6 +189,7 @@ class CudaBackend(Backend):
         self.index = index
         self.device = torch.device("cuda", index)
         self.driver = driver if driver is not None else CudaDriver()
+        self.checks_deferred_reads = bool(getattr(self.driver, "checks_deferred_reads", False))
         self._probe: Probe | None = None
         self._probe_lock = threading.Lock()
         self._events: dict[Any, tuple[list[Any], list[int]]] = {}

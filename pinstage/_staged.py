@@ -3,20 +3,24 @@ applied as one batch.
 
 Each ``stage_write`` checks its position at once and records one ``(flat offset, length,
 values)`` entry in one atomic list append, so several threads may stage into one table at
-once. The values of a list or tuple are kept as a tuple and converted by ``apply_write`` (one
-cached ``struct`` pack each, the conversion rule's fast path; a value that does not fit is
-refused there, before anything is written, and the batch stays staged); any other input is
-converted when staged. ``apply_write`` resolves overlapping writes on the host (the last staged
-write wins, so the device never sees duplicate positions, whose order a GPU scatter does not
-define), packs int64 positions and values into a region of the device's pinned staging arena,
-and enqueues one flat-index ``scatter_`` per table that reads them through UVA, or after one
-host-to-device copy without UVA. The region is released as soon as the kernel is queued: the
-arena fences it with an event after that kernel, so a burst of applies with the device far
-behind never makes the host wait (only the arena's cap can).
+once. A list or tuple is copied into a tuple and its values are converted by ``apply_write``
+(one cached ``struct`` pack each, the conversion rule's fast path; a value that does not fit is
+refused there, before anything is written, and the batch stays staged), so its elements are
+read then: numbers never change, and the simulated CUDA checks that a tensor or array held in
+the list did not either (``HazardError``). Any other input is converted when staged.
+
+``apply_write`` resolves overlapping writes on the host (the last staged write wins, so the
+device never sees duplicate positions, whose order a GPU scatter does not define), packs int64
+positions and values into a region of the device's pinned staging arena, and enqueues one
+flat-index ``scatter_`` per table that reads them through UVA, or after one host-to-device
+copy without UVA. The region is released as soon as the kernel is queued: the arena fences it
+with an event after that kernel, so a burst of applies with the device far behind never makes
+the host wait (only the arena's cap can).
 """
 
 from __future__ import annotations
 
+import functools
 import struct
 import threading
 import weakref
@@ -31,14 +35,59 @@ from ._buffers import UvaBuffer, check_concurrency, get_default_max_concurrency
 from ._capabilities import capabilities_for
 from ._convert import NotANumberError, values_bytes
 from ._dtypes import STRUCT_CODES, check_dtype, itemsize, packer, torch_to_numpy
-from ._errors import describe
+from ._errors import HazardError, ValueOverflowError, describe
 from ._memory import align_up
 
 __all__ = ["StagedWriteTensor", "FusedStagedWriter", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (torch.int32, torch.int64, torch.float32, torch.float16, torch.bfloat16,
                     torch.float64)
-_FAST_MISS = (KeyError, struct.error, OverflowError, TypeError)
+# what a cached pack raises for values it cannot take (a ValueError from an element's own
+# __index__ too): the slow path then converts them by the rule or says what is wrong
+_FAST_MISS = (KeyError, struct.error, OverflowError, TypeError, ValueError)
+_REFUSALS = (ValueOverflowError, NotANumberError, ValueError, TypeError)  # most specific first
+
+
+def _list_bytes(values: tuple[Any, ...], dtype: torch.dtype,
+                packers: dict[int, struct.Struct]) -> bytes:
+    """The values of a staged list as bytes of ``dtype`` by the conversion rule: the cached
+    ``struct`` of their length first (C, range-checked), else the rule's general path, which
+    converts what the pack cannot (``3.0`` into int32) or raises saying what is wrong."""
+    pk = packers.get(len(values))
+    if pk is None:
+        code = STRUCT_CODES.get(dtype)
+        if code is not None and len(packers) < 256:
+            pk = packers[len(values)] = packer(code, len(values))
+    if pk is not None:
+        try:
+            return pk.pack(*values)
+        except _FAST_MISS:
+            pass
+    return values_bytes(list(values), dtype, "x")[0]
+
+
+class _Snapshot:
+    """A staged list's values with the bytes they converted to when staged (``None``: they
+    were refused then). Only under a backend that ``checks_deferred_reads`` (the simulated
+    CUDA): ``apply_write`` checks that the values still convert to the same bytes."""
+
+    __slots__ = ("values", "staged")
+
+    def __init__(self, values: tuple[Any, ...], staged: bytes | None) -> None:
+        self.values = values
+        self.staged = staged
+
+
+def _append_snapshot(staged: list[Any], dtype: torch.dtype, packers: dict[int, struct.Struct],
+                     entry: tuple[int, int, tuple[Any, ...]]) -> None:
+    """``staged.append(entry)``, its values wrapped in a :class:`_Snapshot` (one append: as
+    atomic as the plain one)."""
+    off, n, values = entry
+    try:
+        now: bytes | None = _list_bytes(values, dtype, packers)
+    except (TypeError, ValueError):
+        now = None
+    staged.append((off, n, _Snapshot(values, now)))
 
 
 def _scatter_all(*parts: torch.Tensor) -> None:
@@ -276,7 +325,6 @@ class StagedWriteTensor:
                 self.gpu = torch.zeros(self.shape, dtype=dtype)
             self._flat = self.gpu.view(-1)
         self._itemsize = itemsize(dtype)
-        self._code = STRUCT_CODES.get(dtype)
         npdt = torch_to_numpy(dtype)
         self._np_dtype = npdt if npdt is not None else np.dtype(np.int16)  # bfloat16 bits
         # (rows, flat stride of a row, k, limit): a write of n values at (i, s) is inside
@@ -290,7 +338,11 @@ class StagedWriteTensor:
         # (flat offset, length, values): values as checked bytes of ``dtype``, or the tuple of
         # a list or tuple given to stage_write, converted by apply_write
         self._staged: list[tuple[int, int, bytes | tuple[Any, ...]]] = []
-        self._append = self._staged.append  # (the list is only ever cut, never replaced)
+        # (the list is only ever cut, never replaced; under the simulated CUDA each staged
+        # list is snapshotted too, so apply_write can tell a changed element)
+        self._append: Any = self._staged.append
+        if backend.checks_deferred_reads:
+            self._append = functools.partial(_append_snapshot, self._staged, dtype, {})
         self._lock = threading.Lock()  # apply/clear; staging needs none (one list append)
         self._scratch = _Scratch()
 
@@ -308,17 +360,20 @@ class StagedWriteTensor:
     def stage_write(self, index: int, start: int, x: Any) -> None:
         """Stage ``gpu[index, start:start+len(x)] = x`` (1-D: ``gpu[index+start:...]``).
         ``x``: any iterable of numbers, an array or a CPU tensor. The position is checked
-        now (``IndexError``); the values of a list or tuple are checked by ``apply_write``
-        (which then writes nothing and keeps the batch staged), any other ``x`` now."""
+        now (``IndexError``). A list or tuple is copied, and its values are read and checked
+        by ``apply_write`` (which refuses a bad one before writing anything, keeping the
+        batch staged): don't change a tensor or array held in it until then. Other inputs
+        may be checked now."""
         # The engine's hot loop: ints and a non-empty list. The position is checked here and
         # a tuple copy of the values recorded in one atomic list append; apply_write packs
         # them (one cached struct each, in C), so a call costs little more than a bare pack.
         if type(index) is int and type(start) is int and (type(x) is list
                                                           or type(x) is tuple):
             rows, stride, k, limit = self._geom
-            n = len(x)
+            values = tuple(x)  # (its length is the one recorded, even if x changes meanwhile)
+            n = len(values)
             if n and 0 <= index < rows and 0 <= start and index * k + start + n <= limit:
-                self._append((index * stride + start, n, tuple(x)))
+                self._append((index * stride + start, n, values))
                 return
         self._stage_general(index, start, x)
 
@@ -401,27 +456,40 @@ class StagedWriteTensor:
 
     def _encode(self, entry: tuple[int, int, Any], label: str) -> bytes:
         """One entry's values as bytes of ``dtype``, by the conversion rule; its error names
-        the staged write."""
+        the staged write. A snapshotted list whose values changed since it was staged raises
+        ``HazardError``."""
         off, n, values = entry
         if type(values) is bytes:
             return values
-        pk = self._packers.get(n)
-        if pk is None and self._code is not None and len(self._packers) < 256:
-            pk = self._packers[n] = packer(self._code, n)
-        if pk is not None:
-            try:
-                return pk.pack(*values)
-            except _FAST_MISS:
-                pass  # the rule below says exactly what is wrong, or converts (3.0 into int32)
+        snap = values if type(values) is _Snapshot else None
+        if snap is not None:
+            values = snap.values
         try:
-            return values_bytes(list(values), self.dtype, "x", self._backend)[0]
+            data = _list_bytes(values, self.dtype, self._packers)
         except (TypeError, ValueError) as exc:
-            rows, stride, k, _ = self._geom
-            where = (f"elements {off}..{off + n}" if k else
-                     f"row {off // stride}, columns {off % stride}..{off % stride + n}")
-            raise type(exc)(f"{label}: the write staged at {where} is refused: {exc}. Nothing "
-                            "was written and the staged writes stay staged "
-                            "(clear_staged_writes() drops them)") from None
+            if snap is not None and snap.staged is not None:
+                raise self._changed(off, n, label) from None
+            cls = next(c for c in _REFUSALS if isinstance(exc, c))
+            raise cls(f"{label}: {self._where(off, n)} is refused: {exc}. Nothing was "
+                      "written and the staged writes stay staged (clear_staged_writes() "
+                      "drops them)") from None
+        if snap is not None and data != snap.staged:
+            raise self._changed(off, n, label)
+        return data
+
+    def _where(self, off: int, n: int) -> str:
+        """The staged write at flat offset ``off`` of ``n`` values, in words."""
+        rows, stride, k, _ = self._geom
+        span = (f"elements {off}..{off + n}" if k else
+                f"row {off // stride}, columns {off % stride}..{off % stride + n}")
+        return f"the write staged at {span} of the {self.shape} {self.dtype} table"
+
+    def _changed(self, off: int, n: int, label: str) -> HazardError:
+        return HazardError(
+            f"{label}: a value of {self._where(off, n)} changed between stage_write and "
+            "apply_write. stage_write copies the list, not its elements, which apply_write "
+            "reads: a tensor or array held in the list must not change until then (pass "
+            "numbers, e.g. t.tolist(), to reuse it at once). Nothing was written")
 
     def apply_write(self) -> None:
         """Enqueue device work that makes every staged write visible in ``.gpu``, in staging

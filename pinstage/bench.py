@@ -448,9 +448,9 @@ CASES = [
          "overlapping (pinstage_disjoint_us: the same without overlaps)",
          _staged_writes_overlap, calls_per_round=5, also=_disjoint_writes),
     Case("stage_write_call", "one stage_write of 16 ints (position checked, values copied; "
-         "apply_write packs them); baseline: struct.pack of them (a yardstick, not a way to "
-         "write a table); per write, 64 writes per call (also: stage_and_apply_us, the same "
-         "writes staged then applied)",
+         "apply_write packs them); baseline: struct.pack of them (the floor of a whole write, "
+         "not a way to write a table); per write, 64 writes per call (also: "
+         "stage_and_apply_us, the same writes staged then applied)",
          _stage_write_call, calls_per_round=20, floor="struct.pack",
          ops_per_call=_WRITES_PER_CALL, also=_stage_and_apply),
     Case("engine_step_256", "3 per-request uploads + 256 block-table appends",

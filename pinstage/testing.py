@@ -8,7 +8,8 @@ them (torch's and pinstage's) is queued on the current stream of its device. The
 at once (``"eager"``), only when the host must wait (``"lazy"``), or at seeded random points
 (``"random"``). What would be garbage or a crash on a GPU raises :class:`HazardError`: a queued
 copy whose host source changed before it ran, pinned memory pinstage freed while queued work
-still read it, a host write into the destination of a queued device-to-host copy; in random
+still read it, a host write into the destination of a queued device-to-host copy, a tensor or
+array held in a list staged by ``stage_write`` and changed before ``apply_write``; in random
 mode duplicate positions in one scatter land in shuffled order. Like httpx's mock transport,
 it ships in the library so users test their own engine code with it.
 """

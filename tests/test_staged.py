@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pinstage
+from pinstage._convert import NotANumberError
 from pinstage.testing import simulated_accelerator
 
 DTYPES = [torch.int32, torch.int64, torch.float32, torch.float16, torch.bfloat16]
@@ -127,8 +128,8 @@ def test_bad_values(target, bad, exc):
 
 
 def test_list_values_are_copied_when_staged(target):
-    """The caller may change its list as soon as stage_write returns (its values are packed
-    only by apply_write): the write keeps the values it had."""
+    """The caller may change its list of numbers as soon as stage_write returns (the list is
+    copied; its values are packed by apply_write): the write keeps the values it had."""
     swt = pinstage.StagedWriteTensor((2, 4), torch.int32, target.device)
     values = [1, 2, 3]
     swt.stage_write(0, 1, values)
@@ -497,3 +498,70 @@ def test_dropped_table_is_freed_at_once(target):
         assert ref() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("bad,exc,not_exc", [
+    ([2**40], pinstage.ValueOverflowError, None),
+    ((1, None), NotANumberError, None),
+    ([1.5], ValueError, OverflowError),
+    (["a"], NotANumberError, None),
+])
+def test_apply_time_refusal_keeps_the_exception_type(target, bad, exc, not_exc):
+    """A list's values refused by apply_write raise what the rule raises at staging
+    (``ValueOverflowError`` for out-of-range values, ``NotANumberError`` for non-numbers)."""
+    swt = pinstage.StagedWriteTensor((2, 4), torch.int32, target.device)
+    swt.stage_write(1, 0, bad)
+    with pytest.raises(exc, match=r"row 1, columns 0\.\.\d+ of the \(2, 4\) torch.int32") as info:
+        swt.apply_write()
+    if not_exc is not None:
+        assert not isinstance(info.value, not_exc)
+    with pytest.raises(exc):  # the rule's own error for the same values, at staging
+        pinstage.async_tensor_h2d(list(bad), target.device, dtype=torch.int32)
+
+
+def test_apply_time_refusal_of_an_odd_exception_type(target):
+    """An element whose ``__index__`` raises a ValueError subclass with its own constructor:
+    apply_write still refuses with a ValueError naming the write (and keeps it staged)."""
+    class CodedError(ValueError):
+        def __init__(self, code, msg):
+            super().__init__(msg)
+            self.code = code
+
+    class BadId:
+        def __index__(self):
+            raise CodedError(7, "no such block")
+
+        __float__ = __index__
+
+    swt = pinstage.StagedWriteTensor(8, torch.int32, target.device)
+    swt.stage_write(0, 2, [1, BadId()])
+    with pytest.raises(ValueError, match=r"elements 2\.\.4 .* is refused"):
+        swt.apply_write()
+    assert swt.num_staged == 2
+
+
+@pytest.mark.parametrize("element", ["tensor", "ndarray"])
+def test_simulator_catches_a_list_element_changed_before_apply(sim_target, element):
+    """stage_write copies the list, not its elements: a 0-d tensor or array in it that the
+    caller changes before apply_write is read changed. On a GPU machine that is a silently
+    wrong table; the simulated CUDA raises HazardError, writes nothing and keeps the writes."""
+    from pinstage.testing import HazardError
+
+    swt = pinstage.StagedWriteTensor((3, 4), torch.int32, sim_target.device)
+    scratch = torch.zeros(4, dtype=torch.int32) if element == "tensor" else np.zeros(4, np.int32)
+    for r, ids in enumerate([[1, 2, 3, 4], [5, 6, 7, 8]]):
+        scratch[:] = torch.tensor(ids) if element == "tensor" else ids  # reused per request
+        swt.stage_write(r, 0, list(scratch) if element == "tensor" else
+                        [scratch[i : i + 1].reshape(()) for i in range(4)])
+    with pytest.raises(HazardError, match=r"row 0, columns 0\.\.4 .* changed between "
+                                          r"stage_write and apply_write"):
+        swt.apply_write()
+    assert swt.num_staged == 8
+    sim_target.sync()
+    assert int(swt.gpu.abs().sum()) == 0
+    swt.clear_staged_writes()
+    swt.stage_write(0, 0, [1, 2, 3, 4])  # numbers: nothing to check, nothing to report
+    swt.stage_write(1, 0, list(scratch))  # elements unchanged until applied: fine
+    swt.apply_write()
+    sim_target.sync()
+    assert swt.gpu.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8], [0, 0, 0, 0]]

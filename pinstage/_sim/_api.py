@@ -226,6 +226,10 @@ class SimDriver:
     """What pinstage's CUDA backend asks of the driver, simulated: registering host memory
     (``cudaHostRegister``), unregistering it, and a device view of it (UVA)."""
 
+    # the backend above checks host values it reads late (a staged list's elements) for
+    # changes, as queued copies' sources are checked: a changed one raises HazardError
+    checks_deferred_reads = True
+
     def __init__(self, sim: Simulator) -> None:
         self.sim = sim
 
