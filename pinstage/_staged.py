@@ -479,7 +479,7 @@ class StagedWriteTensor:
 
     def _where(self, off: int, n: int) -> str:
         """The staged write at flat offset ``off`` of ``n`` values, in words."""
-        rows, stride, k, _ = self._geom
+        _, stride, k, _ = self._geom
         span = (f"elements {off}..{off + n}" if k else
                 f"row {off // stride}, columns {off % stride}..{off % stride + n}")
         return f"the write staged at {span} of the {self.shape} {self.dtype} table"
