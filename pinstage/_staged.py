@@ -444,7 +444,7 @@ class StagedWriteTensor:
         ``length``: the common length of all entries, or 0). A size not seen yet, or values
         the pack refuses, take :meth:`_encode`."""
         packers = self._packers
-        try:
+        try:  # (a _Snapshot is not iterable: its entry takes _encode as well)
             if length:  # one packer for all (block-table appends)
                 pack = packers[length].pack
                 parts = [c if type(c) is bytes else pack(*c) for c in chunks]

@@ -531,8 +531,6 @@ def test_apply_time_refusal_of_an_odd_exception_type(target):
         def __index__(self):
             raise CodedError(7, "no such block")
 
-        __float__ = __index__
-
     swt = pinstage.StagedWriteTensor(8, torch.int32, target.device)
     swt.stage_write(0, 2, [1, BadId()])
     with pytest.raises(ValueError, match=r"elements 2\.\.4 .* is refused"):
