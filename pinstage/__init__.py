@@ -9,7 +9,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from . import _backend
+from . import _backend as _backend  # the old layout's names, kept one round
+from . import _memory as _memory  # (likewise)
+from . import _registry
 from ._audit import Finding, HiddenSyncError, SyncReport, audit
 from ._buffers import (
     CpuGpuBuffer,
@@ -22,26 +24,45 @@ from ._buffers import (
 from ._capabilities import Capabilities, capabilities, is_pin_memory_available, is_uva_available
 from ._compat import async_copy_to_gpu, get_accelerator_view_from_cpu_tensor
 from ._copies import async_tensor_h2d, h2d_many, np_to_pinned_tensor, synchronize
-from ._errors import PinstageError, ValueOverflowError
-from ._memory import host_memory_stats
+from ._cpu import CpuProvider, GenericProvider
+from ._errors import (
+    BusyError,
+    CaptureError,
+    DriverError,
+    NotANumberError,
+    PinstageError,
+    UnavailableError,
+    ValueOverflowError,
+)
 from ._staged import FusedStagedWriter, StagedWriteTensor
+from ._state import host_memory_stats
 
 __version__ = "0.1.0"
 
-# CUDA (and ROCm through torch.cuda) serves "cuda" devices; its module is imported on first use.
-_backend.register_provider("cuda", lambda: importlib.import_module("._cuda", __name__))
+# Who serves which device type. device=None means the first available of the defaults, in
+# order: CUDA (and ROCm through torch.cuda; its module is imported on first use, so importing
+# pinstage touches no driver), then the host. Every other type gets plain torch copies.
+_registry.register_provider(
+    "cuda", lambda: importlib.import_module("._cuda", __name__).provider(), default=True)
+_registry.register_provider("cpu", CpuProvider, default=True)
+_registry.set_fallback_provider(GenericProvider)
 
 __all__ = [
+    "BusyError",
     "Capabilities",
+    "CaptureError",
     "CpuGpuBuffer",
+    "DriverError",
     "Finding",
     "FusedStagedWriter",
     "HiddenSyncError",
     "NonUvaBuffer",
+    "NotANumberError",
     "PIN_MEMORY",
     "PinstageError",
     "StagedWriteTensor",
     "SyncReport",
+    "UnavailableError",
     "UvaBackedTensor",
     "UvaBuffer",
     "UvaBufferPool",

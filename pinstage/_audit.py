@@ -16,8 +16,6 @@ already says why they happen.
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -26,7 +24,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._callsite import call_site
 from ._errors import HiddenSyncError
+from ._registry import device_of, is_pinned_host
 
 __all__ = ["audit", "Finding", "SyncReport", "HiddenSyncError", "KINDS", "pinstage_fallback"]
 
@@ -48,25 +48,12 @@ _aten = torch.ops.aten
 _DATA_DEPENDENT = {_aten.nonzero, _aten.masked_select, _aten._unique2, _aten._unique,
                    _aten.unique_dim, _aten.unique_consecutive}
 
-_PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _tls = threading.local()
-
-
-def _device(t: torch.Tensor) -> torch.device:
-    """Where ``t`` lives (a simulated tensor seen through its CPU proxy reports its device)."""
-    return getattr(t, "_sim_device", None) or t.device
-
-
-def _pinned(t: torch.Tensor) -> bool:
-    """``t.is_pinned()``, answered by the simulated CUDA while one is open (inside a dispatch
-    mode torch would ask the CPU-only build, which knows no pinned memory)."""
-    from . import _sim
-
-    sim = _sim.current()
-    if sim is not None and t.device.type == "cpu":
-        return sim.is_pinned(t)
-    return bool(t.is_pinned())
+# Where a tensor lives and whether host memory is pinned: asked of the registry, which lets a
+# stand-in for real hardware answer (a simulated tensor seen through its CPU proxy reports its
+# device; inside a dispatch mode a CPU-only build of torch knows no pinned memory).
+_device = device_of
+_pinned = is_pinned_host
 
 
 @contextlib.contextmanager
@@ -142,17 +129,6 @@ class SyncReport:
         return f"SyncReport({len(self._by_key)} finding(s))"
 
 
-def _call_site() -> str:
-    frame = sys._getframe(2)
-    while frame is not None:
-        fn = os.path.abspath(frame.f_code.co_filename)
-        if not (fn.startswith(_PKG_DIR) or fn.startswith(_TORCH_DIR) or
-                fn.startswith("<frozen") or "contextlib" in fn):
-            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
-        frame = frame.f_back  # type: ignore[assignment]
-    return "<unknown>"
-
-
 def _normalize_devices(devices: Iterable[Any] | None) -> frozenset[str] | None:
     if devices is None:
         return None
@@ -182,7 +158,7 @@ class _AuditMode(TorchDispatchMode):
         return device.type in self.devices
 
     def _found(self, kind: str, detail: str) -> None:
-        where = _call_site()
+        where = call_site(2).where
         self.report._add(kind, where, detail)
         if self.strict:
             raise HiddenSyncError(f"{kind} at {where}: {KINDS[kind]} ({detail})")

@@ -14,23 +14,24 @@ event recorded after that read has completed.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from ._backend import Backend, get_backend, refuse_capture
 from ._capabilities import Capabilities, capabilities_for
 from ._convert import HostSource
-from ._dtypes import check_dtype, itemsize, torch_to_numpy
-from ._errors import describe
+from ._device import Backend, Fence, refuse_capture
+from ._dtypes import check_dtype, check_shape, itemsize, torch_to_numpy
+from ._errors import BusyError, UnavailableError, describe
+from ._registry import get_backend
+from ._state import DeviceState, device_state
 
 __all__ = ["CpuGpuBuffer", "UvaBuffer", "NonUvaBuffer", "UvaBufferPool", "UvaBackedTensor",
            "check_concurrency", "get_default_max_concurrency", "set_default_max_concurrency"]
 
 _DEFAULT_MAX_CONCURRENCY = 2
-_default_lock = threading.Lock()
+_CPU = torch.device("cpu")
 
 
 def set_default_max_concurrency(n: int) -> None:
@@ -49,25 +50,6 @@ def check_concurrency(n: Any) -> int:
     if n < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {n}")
     return int(n)
-
-
-def _shape(size: Any, what: str = "size") -> tuple[int, ...]:
-    if isinstance(size, (int, np.integer)) and not isinstance(size, bool):
-        dims: Sequence[Any] = (size,)
-    elif isinstance(size, (tuple, list, torch.Size)):
-        dims = size
-    else:
-        raise TypeError(f"{what} must be an int or a sequence of ints, got {describe(size)}")
-    out = []
-    for d in dims:
-        if isinstance(d, bool) or not isinstance(d, (int, np.integer)):
-            raise TypeError(f"{what} must hold ints, got {describe(d)} in {tuple(dims)!r}")
-        if d < 0:
-            raise ValueError(f"{what} must not be negative, got {tuple(dims)!r}")
-        out.append(int(d))
-    if not out:
-        raise ValueError(f"{what} needs at least one dimension, got {tuple(dims)!r}")
-    return tuple(out)
 
 
 def _check_n(n: Any, rows: int) -> int:
@@ -89,10 +71,12 @@ def _host(backend: Backend, shape: tuple[int, ...], dtype: torch.dtype,
     so objects created under ``torch.inference_mode()`` can be written outside it."""
     with torch.inference_mode(False):
         if not pinned:
-            return torch.zeros(shape, dtype=dtype)
+            return torch.zeros(shape, dtype=dtype, device=_CPU)
         nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize(dtype)
-        mem = backend.alloc_pinned(nbytes)
-        return mem.view(dtype).view(shape) if nbytes else torch.zeros(shape, dtype=dtype)
+        if not nbytes:
+            return torch.zeros(shape, dtype=dtype, device=_CPU)
+        mem = device_state(backend).alloc_pinned(nbytes)
+        return mem.view(dtype).view(shape)
 
 
 def _device(backend: Backend, shape: tuple[int, ...], dtype: torch.dtype,
@@ -100,7 +84,8 @@ def _device(backend: Backend, shape: tuple[int, ...], dtype: torch.dtype,
     """Device memory of ``shape`` (zero-filled when ``zero``), made outside inference mode."""
     with torch.inference_mode(False):
         if not backend.accelerator:
-            return torch.zeros(shape, dtype=dtype) if zero else torch.empty(shape, dtype=dtype)
+            return torch.zeros(shape, dtype=dtype, device=_CPU) if zero else \
+                torch.empty(shape, dtype=dtype, device=_CPU)
         return backend.zeros(shape, dtype) if zero else backend.empty(shape, dtype)
 
 
@@ -147,8 +132,8 @@ class CpuGpuBuffer:
                  pin_memory: bool | None = None, with_numpy: bool = True) -> None:
         if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
             size = tuple(size[0])
-        shape = _shape(tuple(size))
         check_dtype(dtype)
+        shape = check_shape(tuple(size), dtype=dtype)
         if with_numpy and torch_to_numpy(dtype) is None:
             raise ValueError(f"dtype {dtype} has no NumPy equivalent: pass with_numpy=False")
         self._backend = backend = get_backend(device)
@@ -158,8 +143,9 @@ class CpuGpuBuffer:
         else:
             pinned = bool(pin_memory)
             if pinned and not caps.can_pin:
-                raise RuntimeError(f"pin_memory=True but pinned memory is unavailable for "
-                                   f"{backend.device}: " + "; ".join(caps.reasons))
+                raise UnavailableError(f"pin_memory=True but pinned memory is unavailable for "
+                                       f"{backend.device}: " + "; ".join(caps.reasons),
+                                       caps.reasons)
         self.dtype = dtype
         self.device = backend.device
         self.cpu = _host(backend, shape, dtype, pinned)
@@ -171,14 +157,13 @@ class CpuGpuBuffer:
     def copy_to_gpu(self, n: int | None = None) -> torch.Tensor:
         """Enqueue ``.cpu[:n] -> .gpu[:n]``; returns ``.gpu[:n]``."""
         cpu, gpu = self._prefix.get(_check_n(n, self.cpu.shape[0]))
-        self._backend.copy_h2d(gpu, cpu, "CpuGpuBuffer.copy_to_gpu",  # host -> device
-                               pinned=self._pinned)
+        self._backend.copy_h2d(gpu, cpu, pinned=self._pinned)  # host -> device
         return gpu
 
     def copy_to_cpu(self, n: int | None = None) -> torch.Tensor:
         """Enqueue ``.gpu[:n] -> .cpu[:n]``; returns ``.cpu[:n]``, valid after a synchronize."""
         cpu, gpu = self._prefix.get(_check_n(n, self.cpu.shape[0]))
-        self._backend.copy_d2h(cpu, gpu, "CpuGpuBuffer.copy_to_cpu")  # device -> host
+        self._backend.copy_d2h(cpu, gpu)  # device -> host
         return cpu
 
 
@@ -191,13 +176,14 @@ class UvaBuffer:
 
     def __init__(self, size: Any, dtype: torch.dtype, device: Any = None,
                  cpu: torch.Tensor | None = None) -> None:
-        shape = _shape(size)
         check_dtype(dtype)
+        shape = check_shape(size, dtype=dtype)
         self._backend = backend = get_backend(device)
         caps = capabilities_for(backend)
         if not caps.uva:
-            raise RuntimeError(f"UVA is not available for {backend.device}: "
-                               + "; ".join(caps.reasons) + " (use NonUvaBuffer)")
+            raise UnavailableError(f"UVA is not available for {backend.device}: "
+                                   + "; ".join(caps.reasons) + " (use NonUvaBuffer)",
+                                   caps.reasons)
         self.dtype = dtype
         self.device = backend.device
         if cpu is None:
@@ -239,8 +225,8 @@ class NonUvaBuffer:
     call while another thread is inside ``uva()`` raises ``RuntimeError``."""
 
     def __init__(self, size: Any, dtype: torch.dtype, device: Any = None) -> None:
-        shape = _shape(size)
         check_dtype(dtype)
+        shape = check_shape(size, dtype=dtype)
         self._backend = backend = get_backend(device)
         caps = capabilities_for(backend)
         self.dtype = dtype
@@ -259,15 +245,14 @@ class NonUvaBuffer:
         if not self._busy.acquire(False):
             raise _busy_error("NonUvaBuffer.uva")
         try:
-            self._backend.copy_h2d(dev, cpu, "NonUvaBuffer.uva",  # host -> device
-                                   pinned=self._pinned)
+            self._backend.copy_h2d(dev, cpu, pinned=self._pinned)  # host -> device
         finally:
             self._busy.release()
         return dev
 
 
-def _busy_error(what: str) -> RuntimeError:
-    return RuntimeError(f"{what} was called from two threads at once; this object serves one "
+def _busy_error(what: str) -> BusyError:
+    return BusyError(f"{what} was called from two threads at once; this object serves one "
                         "thread at a time (give each thread its own, or guard it with a lock)")
 
 
@@ -278,7 +263,7 @@ class _Ring:
 
     def __init__(self, n: int) -> None:
         self.slots: list[UvaBuffer | NonUvaBuffer | None] = [None] * n
-        self.events: list[Any] = [None] * n
+        self.events: list[Fence | None] = [None] * n
         self.curr = -1
         self.last: int | None = None  # the slot of the latest hand-out
         self.last_stream: Any = None  # the stream current at that hand-out
@@ -295,11 +280,12 @@ class UvaBufferPool:
 
     def __init__(self, size: Any, dtype: torch.dtype, max_concurrency: int | None = None,
                  device: Any = None) -> None:
-        self.size = _shape(size)
         self.dtype = check_dtype(dtype)
+        self.size = check_shape(size, dtype=dtype)
         self.max_concurrency = check_concurrency(
             _DEFAULT_MAX_CONCURRENCY if max_concurrency is None else max_concurrency)
         self._backend = backend = get_backend(device)
+        self._state: DeviceState = device_state(backend)
         self.device = backend.device
         self.caps: Capabilities = capabilities_for(backend)
         self._local = threading.local()
@@ -332,12 +318,13 @@ class UvaBufferPool:
         backend = self._backend
         refuse_capture(backend, "UvaBufferPool")
         ring = self._ring()
+        state = self._state
         if ring.last is not None:  # fence the previous hand-out's readers, on their stream
-            ring.events[ring.last] = backend.record_event(ring.last_stream)
+            ring.events[ring.last] = state.fence(ring.last_stream)
         curr = ring.curr = (ring.curr + 1) % self.max_concurrency
-        event = ring.events[curr]
-        if event is not None:
-            backend.wait_event(event)  # a host stall only if the device still reads it
+        fence = ring.events[curr]
+        if fence is not None:
+            state.wait(fence)  # a host stall only if the device still reads it
             ring.events[curr] = None
         ring.last = curr
         ring.last_stream = backend.current_stream()
@@ -374,11 +361,10 @@ class UvaBufferPool:
         backend = self._backend
         dst = out if out is not None else _device(backend, src_shape, self.dtype, zero=False)
         if isinstance(slot, UvaBuffer):
-            backend.copy_d2d(dst, slot.uva(rows), "UvaBufferPool.copy_to_gpu")  # UVA -> device
+            backend.copy_d2d(dst, slot.uva(rows))  # UVA view -> device
         else:
             host = slot._prefix.get(rows)[0]  # slot.cpu[:rows]
-            backend.copy_h2d(dst, host, "UvaBufferPool.copy_to_gpu",  # host -> device
-                             pinned=slot._pinned)
+            backend.copy_h2d(dst, host, pinned=slot._pinned)  # host -> device
         return dst
 
 
@@ -388,8 +374,8 @@ class UvaBackedTensor:
 
     def __init__(self, size: Any, dtype: torch.dtype, max_concurrency: int | None = None,
                  device: Any = None) -> None:
-        shape = _shape(size)
         self.dtype = check_dtype(dtype)
+        shape = check_shape(size, dtype=dtype)
         self.pool = UvaBufferPool(shape, dtype, max_concurrency, device)
         self.device = self.pool.device
         self.cpu = _host(self.pool._backend, shape, dtype, False)

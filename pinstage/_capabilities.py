@@ -18,9 +18,14 @@ from typing import Any
 
 import torch
 
-from ._backend import Backend, get_backend
+from ._arena import staging_limit
+from ._device import Backend
+from ._errors import UnavailableError
+from ._registry import get_backend
+from ._state import device_state, on_fork_child
 
-__all__ = ["Capabilities", "capabilities", "is_pin_memory_available", "is_uva_available"]
+__all__ = ["Capabilities", "capabilities", "capabilities_for", "is_pin_memory_available",
+           "is_uva_available", "staging_limit_in_force"]
 
 _POLICY_VALUES = ("auto", "0", "1")
 
@@ -37,8 +42,7 @@ def _reset_after_fork() -> None:
     _logged.clear()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_after_fork)
+on_fork_child(_reset_after_fork)
 
 
 def _log_fallback(kind: str, reason: str, message: str) -> None:
@@ -116,25 +120,25 @@ def _env_key() -> tuple[Any, ...]:
 
 def capabilities_for(backend: Backend) -> Capabilities:
     """Apply the environment policy to ``backend``'s probe (memoised per environment)."""
-    key = _env_key()  # probes are fixed per backend; only the policy can change
-    hit = backend.caps_cache
+    key = _env_key()  # probes are fixed per device; only the policy can change
+    state = device_state(backend)
+    hit = state.caps
     if hit is not None and hit[0] == key:
         return hit[1]  # type: ignore[no-any-return]
     caps = _decide(backend)
-    backend.caps_cache = (key, caps)
+    state.caps = (key, caps)
     return caps
 
 
 def _decide(backend: Backend) -> Capabilities:
     pin_policy = _policy("PINSTAGE_PIN_MEMORY")
     uva_policy = _policy("PINSTAGE_UVA")
-    probe = backend.probe()
+    probe = device_state(backend).probe()
     reasons = list(probe.reasons)
-    from ._memory import staging_limit
 
     if not probe.accelerator:
         if pin_policy == "1":
-            raise RuntimeError("PINSTAGE_PIN_MEMORY=1 but the target is the CPU (no "
+            raise UnavailableError("PINSTAGE_PIN_MEMORY=1 but the target is the CPU (no "
                                "accelerator): pinned memory is meaningless there")
         if pin_policy == "0":
             reasons.append("PINSTAGE_PIN_MEMORY=0 in the environment (no effect on the CPU)")
@@ -155,8 +159,9 @@ def _decide(backend: Backend) -> Capabilities:
                        "copies from host memory block the host")
     elif pin_policy == "1":
         if not probe.can_pin:
-            raise RuntimeError("PINSTAGE_PIN_MEMORY=1 but pinned memory cannot be allocated "
-                               f"for {backend.device}: " + "; ".join(probe.reasons))
+            raise UnavailableError("PINSTAGE_PIN_MEMORY=1 but pinned memory cannot be "
+                                   f"allocated for {backend.device}: "
+                                   + "; ".join(probe.reasons), probe.reasons)
         reasons.append("PINSTAGE_PIN_MEMORY=1 in the environment")
     elif not probe.can_pin:
         reasons.append("pinned memory unavailable: copies from host memory block the host")
@@ -171,8 +176,8 @@ def _decide(backend: Backend) -> Capabilities:
         if not (probe.uva and pin):
             why = ("it needs pinned memory, which is off" if probe.uva else
                    "the device cannot map pinned host memory here")
-            raise RuntimeError(f"PINSTAGE_UVA=1 but UVA is impossible for {backend.device}: "
-                               f"{why}")
+            raise UnavailableError(f"PINSTAGE_UVA=1 but UVA is impossible for "
+                                   f"{backend.device}: {why}", probe.reasons)
         reasons.append("PINSTAGE_UVA=1 in the environment")
     elif probe.uva and not pin:
         reasons.append("UVA off: it needs pinned memory, which is off")
@@ -199,3 +204,12 @@ def is_pin_memory_available(device: Any = None) -> bool:
 def is_uva_available(device: Any = None) -> bool:
     """Shorthand for ``capabilities(device).uva``."""
     return capabilities(device).uva
+
+
+def staging_limit_in_force(device: Any = None) -> int | None:
+    """The staging cap ``device``'s arena uses (read once, at its first use; made now if it
+    was not used yet), or ``None`` where pinned staging is off. For ``pinstage doctor``."""
+    backend = get_backend(device)
+    if not capabilities_for(backend).pin_memory:
+        return None
+    return device_state(backend).arena().limit

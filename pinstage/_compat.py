@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from ._backend import get_backend
 from ._capabilities import capabilities_for
 from ._copies import async_tensor_h2d
-from ._errors import describe
+from ._errors import UnavailableError, describe
+from ._registry import get_backend
 
 __all__ = ["async_copy_to_gpu", "get_accelerator_view_from_cpu_tensor"]
 
@@ -48,8 +48,8 @@ def get_accelerator_view_from_cpu_tensor(t: torch.Tensor) -> torch.Tensor:
     backend = get_backend(None)
     caps = capabilities_for(backend)
     if not caps.uva:
-        raise RuntimeError(f"UVA is not available for {backend.device}: "
-                           + "; ".join(caps.reasons))
+        raise UnavailableError(f"UVA is not available for {backend.device}: "
+                               + "; ".join(caps.reasons), caps.reasons)
     if not t.is_contiguous():
         raise ValueError(f"t must be contiguous for a UVA view; got shape {tuple(t.shape)} "
                          f"with strides {t.stride()} (use .contiguous() on pinned memory)")

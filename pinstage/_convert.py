@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 from ._dtypes import STRUCT_CODES, check_dtype, itemsize, numpy_to_torch, packer, torch_to_numpy
-from ._errors import ValueOverflowError, describe
+from ._errors import NotANumberError, ValueOverflowError, describe
 
 if TYPE_CHECKING:
-    from ._backend import Backend
+    from ._device import Backend
 
 __all__ = ["HostSource", "NotANumberError", "array_tensor", "check_fits", "values_bytes",
            "NATIVE_DTYPES"]
@@ -38,13 +38,6 @@ NATIVE_DTYPES = frozenset(np.dtype(t) for t in (np.bool_, np.int8, np.uint8, np.
                                           np.int64, np.float16, np.float32, np.float64,
                                           np.complex64, np.complex128))
 _STRUCT_ERRORS = (struct.error, OverflowError, TypeError)
-
-
-class NotANumberError(TypeError, ValueError):
-    """A value that is not a number where numbers are expected (``None``, a string...).
-
-    Both a ``TypeError`` (the value has the wrong type) and a ``ValueError`` (the contract's
-    type for refused values), so either ``except`` clause catches it."""
 
 
 # -- the rule ---------------------------------------------------------------------------------

@@ -16,17 +16,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._backend import Backend, get_backend, refuse_capture
 from ._capabilities import capabilities_for
 from ._convert import NATIVE_DTYPES, HostSource, array_tensor
+from ._device import Backend, refuse_capture
 from ._dtypes import itemsize, torch_to_numpy
 from ._errors import describe
-from ._memory import ALIGN, align_up, device_state, pinned_copy_memory
+from ._host import ALIGN, align_up
+from ._registry import get_backend
+from ._state import device_state
 
 __all__ = ["async_tensor_h2d", "h2d_many", "np_to_pinned_tensor", "synchronize"]
 
 # Sources above this size are staged in chunks of this size (double-buffered through the ring).
 CHUNK_BYTES = 8 * 2**20
+_CPU = torch.device("cpu")
+
 
 def _check_out(out: Any, backend: Backend, shape: tuple[int, ...], dtype: torch.dtype) -> None:
     if not isinstance(out, torch.Tensor):
@@ -64,10 +68,10 @@ def _source_tensor(src: HostSource) -> torch.Tensor:
     return src.host_tensor()
 
 
-def _stage_and_copy(backend: Backend, src: HostSource, dst: torch.Tensor, label: str) -> None:
+def _stage_and_copy(backend: Backend, src: HostSource, dst: torch.Tensor) -> None:
     """host -> pinned staging -> device; large sources go in chunks through the ring, so the
     host fills chunk k+1 while chunk k transfers."""
-    arena = backend.arena()
+    arena = device_state(backend).arena()
     chunk = min(CHUNK_BYTES, max(ALIGN, arena.limit // 4))
     if src.nbytes <= chunk:
         with arena.staging(src.nbytes) as region:  # released whatever happens, interrupts too
@@ -75,12 +79,12 @@ def _stage_and_copy(backend: Backend, src: HostSource, dst: torch.Tensor, label:
             src.write_into(block.tensor, block.np, region.start)
             typed = _typed_host(block.np, block.tensor, region.start, src.nbytes, src.dtype,
                                 src.shape)
-            backend.copy_h2d(dst, typed, label, pinned=True)  # host -> device, from staging
+            backend.copy_h2d(dst, typed, pinned=True)  # host -> device, from staging
         return
     if not dst.is_contiguous():  # a strided `out`: stage into fresh memory, then one copy
         tmp = backend.empty(src.shape, src.dtype)
-        _stage_and_copy(backend, src, tmp, label)
-        backend.copy_d2d(dst, tmp, label)
+        _stage_and_copy(backend, src, tmp)
+        backend.copy_d2d(dst, tmp)
         return
     # Large: split along the first dimension (or the flat view) into chunks of <= chunk bytes.
     t = _source_tensor(src)
@@ -102,11 +106,10 @@ def _stage_and_copy(backend: Backend, src: HostSource, dst: torch.Tensor, label:
             typed = _typed_host(region.block.np, region.block.tensor, region.start, nb,
                                 src.dtype, tuple(piece.shape))
             typed.copy_(piece)  # host memcpy (+ conversion); torch runs large ones on threads
-            backend.copy_h2d(dflat[i : i + rows], typed, label, pinned=True)  # host -> device
+            backend.copy_h2d(dflat[i : i + rows], typed, pinned=True)  # host -> device
 
 
-def _upload(backend: Backend, src: HostSource, out: torch.Tensor | None,
-            label: str) -> torch.Tensor:
+def _upload(backend: Backend, src: HostSource, out: torch.Tensor | None) -> torch.Tensor:
     if not backend.accelerator:  # CPU target: a finished host copy
         if out is None:
             return src.host_tensor()
@@ -116,14 +119,14 @@ def _upload(backend: Backend, src: HostSource, out: torch.Tensor | None,
     if src.numel == 0:
         return dst
     if src.tensor is not None and src.reads_in_place(backend):
-        backend.copy_h2d(dst, src.tensor, label)  # host -> device, read in place (pinned)
+        backend.copy_h2d(dst, src.tensor)  # host -> device, read in place (pinned)
     elif capabilities_for(backend).pin_memory:
-        _stage_and_copy(backend, src, dst, label)
+        _stage_and_copy(backend, src, dst)
     else:
         t = src.tensor
         host = t if (t is not None and t.dtype == src.dtype and t.is_contiguous()) else \
             src.host_tensor()
-        backend.copy_h2d(dst, host, label)  # host -> device, blocking: pinning is off
+        backend.copy_h2d(dst, host)  # host -> device, blocking: pinning is off
     return dst
 
 
@@ -149,7 +152,7 @@ def async_tensor_h2d(data: Any, device: Any = None, dtype: torch.dtype | None = 
     src = HostSource(data, dtype, backend)
     if out is not None:
         _check_out(out, backend, src.shape, src.dtype)
-    return _upload(backend, src, out, "async_tensor_h2d")
+    return _upload(backend, src, out)
 
 
 def _views(base: torch.Tensor, srcs: list[HostSource],
@@ -208,20 +211,21 @@ def h2d_many(arrays: Sequence[Any], device: Any = None,
     dev = backend.empty((total,), torch.uint8)
     outs = _views(dev, srcs, offsets)
     pinned = capabilities_for(backend).pin_memory
-    if pinned and total <= backend.arena().limit:
-        with backend.arena().staging(total) as region:
+    arena = device_state(backend).arena() if pinned else None
+    if arena is not None and total <= arena.limit:
+        with arena.staging(total) as region:
             for o, s in zip(offsets, srcs):
                 s.write_into(region.block.tensor, region.block.np, region.start + o)
-            backend.copy_h2d(dev, region.tensor(total), "h2d_many", pinned=True)  # one copy
-    elif pinned:  # larger than the whole staging cap: each input staged on its own
+            backend.copy_h2d(dev, region.tensor(total), pinned=True)  # host -> device, once
+    elif arena is not None:  # larger than the whole staging cap: each input staged on its own
         for s, dst in zip(srcs, outs):
-            _upload(backend, s, dst, "h2d_many")
+            _upload(backend, s, dst)
     else:
-        host = torch.empty(total, dtype=torch.uint8)
+        host = torch.empty(total, dtype=torch.uint8, device=_CPU)
         host_np = host.numpy()
         for o, s in zip(offsets, srcs):
             s.write_into(host, host_np, o)
-        backend.copy_h2d(dev, host, "h2d_many")  # host -> device, blocking: pinning is off
+        backend.copy_h2d(dev, host)  # host -> device, blocking: pinning is off
     return outs
 
 
@@ -236,8 +240,9 @@ def np_to_pinned_tensor(array: np.ndarray) -> torch.Tensor:
     if not capabilities_for(backend).pin_memory:
         return array_tensor(array)
     if not src.nbytes:
-        return torch.empty(src.shape, dtype=src.dtype)
-    mem = pinned_copy_memory(backend, src.nbytes)  # pooled: pins only when no slab fits
+        return torch.empty(src.shape, dtype=src.dtype, device=_CPU)
+    refuse_capture(backend, "np_to_pinned_tensor")
+    mem = device_state(backend).pinned_copy_memory(src.nbytes)  # pooled: pins only if no slab fits
     mem_np = mem.numpy()
     src.write_into(mem, mem_np, 0)
     return _typed_host(mem_np, mem, 0, src.nbytes, src.dtype, src.shape)

@@ -1,71 +1,42 @@
 """CUDA (and ROCm, through ``torch.cuda``/HIP) backend: the only module that touches torch.cuda.
 
-* Pinned memory: page-aligned ``mmap`` regions of the exact size asked, registered with
-  ``cudaHostRegister(Portable | Mapped)`` (PyTorch's caching host allocator would round every
-  request up to a power of two).
+* Pinned memory: the device state's page-aligned ``mmap`` regions of the exact size asked,
+  registered here with ``cudaHostRegister(Portable | Mapped)`` (PyTorch's caching host
+  allocator would round every request up to a power of two).
 * Copies: ``Tensor.copy_(non_blocking=True)`` on the current stream, only from pinned,
   contiguous memory; otherwise a plain blocking copy (said in ``capabilities().reasons``).
-* Events: ``torch.cuda.Event`` recorded on the current stream.
+* Events: ``torch.cuda.Event`` (blocking: a host wait sleeps, it does not spin).
 * UVA views: an object exposing ``__cuda_array_interface__`` with the device pointer from
   ``cudaHostGetDevicePointer`` (``hipHostGetDevicePointer`` on ROCm), given to
   ``torch.as_tensor`` with an explicit device index; the pointer is checked and the host tensor
   kept alive by the view. Verified once per device by a write-after-map coherence probe.
+
+The backend talks to the runtime through a small driver object (:class:`CudaDriver`); the
+simulated CUDA supplies its own, so this module's code runs unchanged in CPU-only CI.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
-import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from ._audit import pinstage_fallback
-from ._backend import Backend, Probe, explicit_wait, host_region_tensor
+from ._callsite import explicit_wait
+from ._device import Backend, Event, Probe, Stream
+from ._errors import CaptureError, DriverError, UnavailableError
 from ._platform import WSL_STAGING_LIMIT, wsl_info
 
-__all__ = ["CudaBackend", "available", "current_device", "backend_for"]
+__all__ = ["CudaBackend", "CudaDriver", "CudaProvider", "provider", "bandwidth_probe",
+           "device_name"]
 
 _HOST_REGISTER_PORTABLE = 0x01
 _HOST_REGISTER_MAPPED = 0x02
-
-_backends: dict[int, CudaBackend] = {}
-_lock = threading.Lock()
-
-
-def _after_fork_in_child() -> None:
-    global _lock
-    _lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def available() -> bool:
-    return bool(torch.cuda.is_available())
-
-
-def current_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-def backend_for(device: torch.device) -> CudaBackend:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    from ._backend import SIM_STACK
-
-    if SIM_STACK:  # a simulated CUDA is open: its devices, over its simulated driver
-        return SIM_STACK[-1].backend_for(index)  # type: ignore[no-any-return]
-    with _lock:
-        if index not in _backends:
-            if not available():
-                raise RuntimeError(f"device {device} was asked for, but CUDA is not available "
-                                   "in this process (CPU-only build or no GPU)")
-            if index >= torch.cuda.device_count():
-                raise ValueError(f"device cuda:{index} does not exist: this machine has "
-                                 f"{torch.cuda.device_count()} CUDA device(s)")
-            _backends[index] = CudaBackend(index)
-        return _backends[index]
+_CPU = torch.device("cpu")
+# what a failing device or driver raises, as opposed to a bug in pinstage
+_DEVICE_FAILURES = (DriverError, UnavailableError, OSError, torch.AcceleratorError)
 
 
 def _is_rocm() -> bool:
@@ -73,14 +44,18 @@ def _is_rocm() -> bool:
 
 
 class _Runtime:
-    """``cudaHostGetDevicePointer`` / ``hipHostGetDevicePointer`` through ctypes, taken from the
-    runtime library this process already loaded (so it is the one torch uses)."""
+    """``cudaHostGetDevicePointer`` / ``hipHostGetDevicePointer`` and ``cudaGetLastError``
+    through ctypes, taken from the runtime library this process already loaded (so it is the
+    one torch uses)."""
 
     def __init__(self) -> None:
         self.rocm = _is_rocm()
         self.lib = self._load()
         fn_name = "hipHostGetDevicePointer" if self.rocm else "cudaHostGetDevicePointer"
-        self.fn = getattr(self.lib, fn_name)
+        try:
+            self.fn = getattr(self.lib, fn_name)
+        except AttributeError:
+            raise DriverError(f"the runtime library has no {fn_name}") from None
         self.fn.restype = ctypes.c_int
         self.fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_uint]
 
@@ -101,10 +76,14 @@ class _Runtime:
                 return ctypes.CDLL(name)
             except OSError:
                 continue
-        raise OSError(f"cannot find the {stem} runtime library to map pinned memory")
+        raise DriverError(f"cannot find the {stem} runtime library to map pinned memory")
 
     def clear_last_error(self) -> None:
-        fn = getattr(self.lib, "hipGetLastError" if self.rocm else "cudaGetLastError")
+        name = "hipGetLastError" if self.rocm else "cudaGetLastError"
+        try:
+            fn = getattr(self.lib, name)
+        except AttributeError:
+            raise DriverError(f"the runtime library has no {name}") from None
         fn.restype = ctypes.c_int
         fn()
 
@@ -112,8 +91,8 @@ class _Runtime:
         out = ctypes.c_void_p()
         err = self.fn(ctypes.byref(out), ctypes.c_void_p(host_ptr), 0)
         if err != 0 or not out.value:
-            raise RuntimeError(f"{'hip' if self.rocm else 'cuda'}HostGetDevicePointer failed "
-                               f"with error {err} for host address {host_ptr:#x}")
+            raise DriverError(f"{'hip' if self.rocm else 'cuda'}HostGetDevicePointer failed "
+                              f"with error {err} for host address {host_ptr:#x}", err)
         return int(out.value)
 
 
@@ -144,6 +123,8 @@ class CudaDriver:
     (``cudaHostRegister``), unregistering it, and mapping it for the device (UVA). The
     simulator supplies its own, so the backend above it runs unchanged on a CPU."""
 
+    checks_deferred_reads = False
+
     def register(self, ptr: int, size: int) -> int:
         """``cudaHostRegister(Portable | Mapped)``; returns the error code (0: success)."""
         return int(torch.cuda.cudart().cudaHostRegister(
@@ -154,11 +135,14 @@ class CudaDriver:
         torch's next kernel-launch check would otherwise report from unrelated code."""
         try:
             _get_runtime().clear_last_error()
-        except (OSError, AttributeError, RuntimeError):
-            pass
+        except DriverError:
+            pass  # no runtime library to ask: nothing of ours could have set an error
 
-    def unregister(self, ptr: int) -> None:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
+    def unregister(self, ptr: int) -> int:
+        """``cudaHostUnregister``; returns the error code. On ROCm, ``hipHostUnregister``
+        synchronizes the whole device: pinstage calls it only for memory the device is done
+        with (parked frees, collected off the hot path)."""
+        return int(torch.cuda.cudart().cudaHostUnregister(ptr) or 0)
 
     def uva_view(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
         nbytes = host.numel() * host.element_size()
@@ -167,54 +151,41 @@ class CudaDriver:
             dptr = _get_runtime().device_pointer(host.data_ptr())
             view = torch.as_tensor(_DeviceArray(flat, dptr, nbytes), device=device)
         if view.data_ptr() != dptr or view.device != device:
-            raise RuntimeError("torch did not alias the mapped pinned memory (it copied it); "
-                               "UVA views are not usable here")
+            raise DriverError("torch did not alias the mapped pinned memory (it copied it); "
+                              "UVA views are not usable here")
         return view.view(host.dtype).view(host.shape)
 
     def device_name(self, index: int) -> str:
         return str(torch.cuda.get_device_name(index))
 
-
-_EVENT_RING = 16  # events re-recorded per stream (a re-recorded event only fences later)
+    def hazard(self, message: str) -> Exception:
+        return RuntimeError(message)
 
 
 class CudaBackend(Backend):
-    """One CUDA/ROCm device. Work goes on that device's current stream."""
+    """One CUDA/ROCm device, stateless: work goes on that device's current stream."""
 
     name = "cuda"
     accelerator = True
+    asynchronous = True
 
     def __init__(self, index: int, driver: Any = None) -> None:
-        super().__init__()
         self.index = index
         self.device = torch.device("cuda", index)
         self.driver = driver if driver is not None else CudaDriver()
         self.checks_deferred_reads = bool(getattr(self.driver, "checks_deferred_reads", False))
-        self._probe: Probe | None = None
-        self._probe_lock = threading.Lock()
-        self._events: dict[Any, tuple[list[Any], list[int]]] = {}
-        self._events_lock = threading.Lock()
-
-    def reset_after_fork(self) -> None:
-        super().reset_after_fork()
-        self._probe_lock = threading.Lock()
-        self._events_lock = threading.Lock()
-        self._events = {}  # the parent's CUDA events mean nothing in the child
 
     # -- facts -------------------------------------------------------------------------------
-    def probe(self) -> Probe:
-        with self._probe_lock:
-            if self._probe is None:
-                if self.is_capturing():
-                    raise RuntimeError(
-                        f"pinstage's capability probe for {self.device} cannot run inside a "
-                        "CUDA graph capture (it synchronizes): call pinstage.capabilities() "
-                        "(or any pinstage function) once before capturing")
-                with pinstage_fallback():  # its copies are not the caller's hidden syncs
-                    self._probe = self._run_probe()
-            return self._probe
+    def probe(self, alloc_pinned: Callable[[int], torch.Tensor]) -> Probe:
+        if self.is_capturing():
+            raise CaptureError(
+                f"pinstage's capability probe for {self.device} cannot run inside a CUDA "
+                "graph capture (it synchronizes): call pinstage.capabilities() (or any "
+                "pinstage function) once before capturing")
+        with pinstage_fallback():  # its copies are not the caller's hidden syncs
+            return self._run_probe(alloc_pinned)
 
-    def _run_probe(self) -> Probe:
+    def _run_probe(self, alloc_pinned: Callable[[int], torch.Tensor]) -> Probe:
         reasons: list[str] = []
         name = self.driver.device_name(self.index)
         kind = "ROCm/HIP" if _is_rocm() else "CUDA"
@@ -233,11 +204,11 @@ class CudaBackend(Backend):
                 f"capped at {WSL_STAGING_LIMIT >> 20} MiB (vLLM turns it off; a bounded arena "
                 "is what the cap allows)")
         try:
-            probe_buf = self.alloc_pinned(4096, in_use=False)
-            can_pin = bool(probe_buf.is_pinned())
+            probe_buf = alloc_pinned(4096)
+            can_pin = bool(self.is_pinned(probe_buf))
             reasons.append("pinned host memory: a test page was registered" if can_pin else
                            "pinned host memory: a registered page is not reported pinned")
-        except (RuntimeError, OSError) as exc:
+        except _DEVICE_FAILURES as exc:
             return Probe(True, False, False, (*reasons, f"pinned host memory unavailable: {exc}"),
                          limit)
         uva = False
@@ -248,41 +219,42 @@ class CudaBackend(Backend):
                                "device write by the host" if uva else
                                "UVA off: the coherence probe read stale data through the "
                                "mapped view (e.g. Confidential Computing)")
-            except (RuntimeError, OSError, AttributeError) as exc:
+            except _DEVICE_FAILURES as exc:
                 reasons.append(f"UVA off: mapping pinned memory failed: {exc}")
         return Probe(True, can_pin, uva, tuple(reasons), limit)
 
     def _coherence_probe(self, host: torch.Tensor) -> bool:
+        """Write after mapping, read on the device; write on the device, read on the host.
+        Every tensor is made on an explicit device (a default device of ``cuda`` or ``meta``
+        must not move them), and nothing here blocks in a way ``set_sync_debug_mode`` flags:
+        results come back by non-blocking copies into pinned memory and a device sync."""
         view = self.uva_view(host[:256])
-        arr = host.numpy()
-        arr[:256] = torch.arange(256, dtype=torch.uint8).numpy()  # host write after mapping
+        expected = torch.arange(256, dtype=torch.uint8, device=_CPU)
+        host[:256].copy_(expected)  # host write after mapping
+        back = host[1024:1280]
         with torch.cuda.device(self.device):
-            seen = view.clone()  # device reads through the mapping
+            seen = torch.empty(256, dtype=torch.uint8, device=self.device)
+            seen.copy_(view, non_blocking=True)  # device reads through the mapping
             view[:16].fill_(7)  # device writes through it
+            back.copy_(seen, non_blocking=True)  # device -> pinned host, no blocking read
             torch.cuda.synchronize(self.device)
-        ok_read = bool(torch.equal(seen.cpu(), torch.arange(256, dtype=torch.uint8)))
+        ok_read = bool(torch.equal(back, expected))
         ok_write = bool((host[:16] == 7).all())
         return ok_read and ok_write
 
     # -- memory ------------------------------------------------------------------------------
-    def alloc_pinned(self, nbytes: int, *, in_use: bool = True) -> torch.Tensor:
+    def register_host(self, ptr: int, size: int) -> None:
         torch.cuda.init()
-        driver = self.driver
+        with torch.cuda.device(self.device):
+            err = self.driver.register(ptr, size)
+        if err != 0:
+            self.driver.clear_error()  # a failed call leaves its error set for unrelated code
+            raise DriverError(f"cudaHostRegister of {size} bytes failed: error {err}", err)
 
-        def pin(ptr: int, size: int) -> None:
-            with torch.cuda.device(self.device):
-                err = driver.register(ptr, size)
-            if err != 0:
-                driver.clear_error()  # a failed call leaves its error set for unrelated code
-                raise RuntimeError(f"cudaHostRegister of {size} bytes failed: error {err}")
-
-        def unpin(ptr: int, size: int) -> None:
-            driver.unregister(ptr)
-
-        # backend=self: a dropped region is parked behind events, unregistered only after the
-        # device has read it (cudaHostUnregister does not wait; hipHostUnregister would
-        # synchronize the whole device from inside the garbage collector)
-        return host_region_tensor(nbytes, pin=pin, unpin=unpin, in_use=in_use, backend=self)
+    def unregister_host(self, ptr: int, size: int) -> None:
+        err = self.driver.unregister(ptr)
+        if err:
+            self.driver.clear_error()  # (the memory is released either way)
 
     def is_pinned(self, t: torch.Tensor) -> bool:
         return t.device.type == "cpu" and bool(t.is_pinned())
@@ -290,53 +262,11 @@ class CudaBackend(Backend):
     def is_device_tensor(self, t: torch.Tensor) -> bool:
         return t.device.type == "cuda"
 
-    # -- device work -------------------------------------------------------------------------
-    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, label: str = "",
-                 pinned: bool = False) -> None:
-        if pinned or (src.is_contiguous() and src.is_pinned()):
-            dst.copy_(src, non_blocking=True)  # host -> device, async from pinned memory
-        else:
-            with pinstage_fallback():
-                dst.copy_(src)  # host -> device, blocking: pageable source (pinning is off)
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(tuple(shape), dtype=dtype, device=self.device)
 
-    def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, label: str = "") -> None:
-        if dst.is_pinned() and dst.is_contiguous():
-            dst.copy_(src, non_blocking=True)  # device -> host, async into pinned memory
-        else:
-            with pinstage_fallback():
-                dst.copy_(src)  # device -> host, blocking: pageable destination
-
-    def current_stream(self) -> Any:
-        return torch.cuda.current_stream(self.device)
-
-    def record_event(self, stream: Any) -> Any:
-        """An event from a small per-stream ring, re-recorded: creating one per fence costs a
-        driver call, and a re-recorded event completes only after the point it had fenced
-        (fences stay correct, at worst a little late). Blocking events: waits sleep, not spin."""
-        with self._events_lock:
-            ring, pos = self._events.setdefault(stream, ([], [0]))
-            if len(ring) < _EVENT_RING:
-                event = torch.cuda.Event(blocking=True)
-                ring.append(event)
-            else:
-                event = ring[pos[0]]
-                pos[0] = (pos[0] + 1) % _EVENT_RING
-            event.record(stream)  # after all work queued on that stream so far
-            return event
-
-    def is_capturing(self) -> bool:
-        try:
-            return bool(torch.cuda.is_current_stream_capturing())
-        except RuntimeError:  # a torch build without CUDA graphs
-            return False
-
-    def event_done(self, event: Any) -> bool:
-        return event is None or bool(event.query())
-
-    def wait_event(self, event: Any) -> None:
-        if event is not None and not event.query():
-            self.stalls += 1
-            event.synchronize()
+    def zeros(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(tuple(shape), dtype=dtype, device=self.device)
 
     def uva_view(self, host: torch.Tensor) -> torch.Tensor:
         if not (host.device.type == "cpu" and host.is_contiguous()):
@@ -347,13 +277,108 @@ class CudaBackend(Backend):
             raise ValueError("a UVA view needs pinned host memory; this tensor is pageable")
         return self.driver.uva_view(host, self.device)  # type: ignore[no-any-return]
 
+    # -- device work -------------------------------------------------------------------------
+    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, pinned: bool = False) -> None:
+        if pinned or (src.is_contiguous() and src.is_pinned()):
+            dst.copy_(src, non_blocking=True)  # host -> device, async from pinned memory
+        else:
+            with pinstage_fallback():
+                dst.copy_(src)  # host -> device, blocking: pageable source (pinning is off)
+
+    def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if dst.is_pinned() and dst.is_contiguous():
+            dst.copy_(src, non_blocking=True)  # device -> host, async into pinned memory
+        else:
+            with pinstage_fallback():
+                dst.copy_(src)  # device -> host, blocking: pageable destination
+
+    def copy_d2d(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)  # device -> device (or UVA view -> device)
+
+    def launch(self, fn: Callable[..., Any], *args: Any) -> None:
+        fn(*args)  # torch ops on device tensors: queued on the current stream
+
     def synchronize(self) -> None:
         with explicit_wait():
             torch.cuda.synchronize(self.device)
 
+    def is_capturing(self) -> bool:
+        try:
+            return bool(torch.cuda.is_current_stream_capturing())
+        except RuntimeError:  # a torch build without CUDA graphs
+            return False
+
+    def deferred_read_changed(self, message: str) -> Exception:
+        return self.driver.hazard(message)  # type: ignore[no-any-return]
+
+    # -- streams and raw events --------------------------------------------------------------
+    def current_stream(self) -> Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def new_event(self) -> Event:
+        return torch.cuda.Event(blocking=True)  # a host wait on it sleeps instead of spinning
+
+    def record_event(self, event: Event, stream: Stream) -> None:
+        event.record(stream)  # after all work queued on that stream so far
+
+    def event_done(self, event: Event) -> bool:
+        return bool(event.query())
+
+    def wait_event_host(self, event: Event) -> None:
+        event.synchronize()
+
+
+class CudaProvider:
+    """Serves ``cuda`` devices with :class:`CudaBackend` over the real runtime."""
+
+    def __init__(self) -> None:
+        self._backends: dict[int, CudaBackend] = {}
+
+    def why_unavailable(self, device_type: str = "cuda") -> str | None:
+        if getattr(torch.cuda, "_is_in_bad_fork", lambda: False)():
+            return ("this process was forked after CUDA was initialised in its parent, and "
+                    "CUDA cannot be used in such a child (use the 'spawn' start method)")
+        if not torch.cuda.is_available():
+            return ("CUDA is not available in this process (CPU-only build of torch, or no "
+                    "GPU visible)")
+        return None
+
+    def current_device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def normalize(self, device: torch.device) -> torch.device:
+        if device.index is None:
+            return self.current_device()
+        count = torch.cuda.device_count()
+        if device.index >= count:
+            raise ValueError(f"device cuda:{device.index} does not exist: this machine has "
+                             f"{count} CUDA device(s)")
+        return device
+
+    def backend_for(self, device: torch.device) -> Backend:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        backend = self._backends.get(index)
+        if backend is None:  # (two threads may both make one: the first stored wins)
+            backend = self._backends.setdefault(index, CudaBackend(index))
+        return backend
+
+
+_PROVIDER: list[CudaProvider] = []
+
+
+def provider() -> CudaProvider:
+    """The process's CUDA provider (made on first use)."""
+    if not _PROVIDER:
+        _PROVIDER.append(CudaProvider())
+    return _PROVIDER[0]
+
 
 def device_name(device: torch.device) -> str:
-    return backend_for(device).driver.device_name(device.index or 0)  # type: ignore[no-any-return]
+    from ._registry import get_backend
+
+    backend = get_backend(device)
+    driver = getattr(backend, "driver", None) or CudaDriver()
+    return driver.device_name(device.index or 0)  # type: ignore[no-any-return]
 
 
 def bandwidth_probe(device: torch.device, nbytes: int = 64 * 2**20) -> dict[str, float]:
@@ -363,9 +388,11 @@ def bandwidth_probe(device: torch.device, nbytes: int = 64 * 2**20) -> dict[str,
 
     import numpy as np
 
-    backend = backend_for(device)
-    pinned = backend.alloc_pinned(nbytes)
-    pageable = torch.empty(nbytes, dtype=torch.uint8)
+    from ._registry import get_backend
+    from ._state import device_state
+
+    pinned = device_state(get_backend(device)).alloc_pinned(nbytes)
+    pageable = torch.empty(nbytes, dtype=torch.uint8, device=_CPU)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     out: dict[str, float] = {}
     for name, src in (("pinned_h2d_gbps", pinned), ("pageable_h2d_gbps", pageable)):

@@ -1,16 +1,22 @@
-"""dtype tables shared by the copy and staged-write paths (struct codes, NumPy equivalents)."""
+"""dtype tables and the shape check shared by every entry point (struct codes, NumPy
+equivalents, ``check_dtype``, ``check_shape``)."""
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
 import numpy as np
 import torch
 
+from ._errors import describe
+
 __all__ = ["STRUCT_CODES", "torch_to_numpy", "numpy_to_torch", "packer", "check_dtype",
-           "itemsize"]
+           "check_shape", "itemsize", "MAX_BYTES"]
+
+MAX_BYTES = 2**62  # no tensor pinstage makes is larger (torch's storage sizes overflow near it)
 
 # torch dtype -> struct format code (little-endian, standard sizes): lists are packed straight
 # into staging memory with one cached ``Struct.pack_into`` call, no per-element Python loop.
@@ -60,3 +66,36 @@ def check_dtype(dtype: Any, what: str = "dtype") -> torch.dtype:
 @lru_cache(maxsize=64)
 def itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def check_shape(size: Any, what: str = "size", ndims: Sequence[int] | None = None,
+                dtype: torch.dtype | None = None) -> tuple[int, ...]:
+    """``size`` (an int or a sequence of ints) as a shape: ``TypeError`` for what is not an
+    int, ``ValueError`` for a negative dimension, a number of dimensions outside ``ndims``, or
+    (with ``dtype``) more bytes than any tensor can hold."""
+    if isinstance(size, (int, np.integer)) and not isinstance(size, bool):
+        dims: Sequence[Any] = (size,)
+    elif isinstance(size, (tuple, list, torch.Size)):
+        dims = size
+    else:
+        raise TypeError(f"{what} must be an int or a sequence of ints, got {describe(size)}")
+    out = []
+    for d in dims:
+        if isinstance(d, bool) or not isinstance(d, (int, np.integer)):
+            raise TypeError(f"{what} must hold ints, got {describe(d)} in {tuple(dims)!r}")
+        if d < 0:
+            raise ValueError(f"{what} must not be negative, got {tuple(dims)!r}")
+        out.append(int(d))
+    if not out:
+        raise ValueError(f"{what} needs at least one dimension, got {tuple(dims)!r}")
+    if ndims is not None and len(out) not in ndims:
+        allowed = " or ".join(str(n) for n in ndims)
+        raise ValueError(f"{what} must have {allowed} dimension(s), got {tuple(out)!r}")
+    if dtype is not None:
+        nbytes = itemsize(dtype)
+        for d in out:
+            nbytes *= d
+        if nbytes > MAX_BYTES:
+            raise ValueError(f"{what} {tuple(out)!r} of {dtype} is {nbytes} bytes, more than "
+                             f"any tensor can hold ({MAX_BYTES} bytes)")
+    return tuple(out)

@@ -23,20 +23,21 @@ from __future__ import annotations
 import functools
 import struct
 import threading
-import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from ._backend import Backend, get_backend, refuse_capture
 from ._buffers import UvaBuffer, check_concurrency, get_default_max_concurrency
 from ._capabilities import capabilities_for
-from ._convert import NotANumberError, values_bytes
-from ._dtypes import STRUCT_CODES, check_dtype, itemsize, packer, torch_to_numpy
-from ._errors import HazardError, ValueOverflowError, describe
-from ._memory import align_up
+from ._convert import values_bytes
+from ._device import Backend, refuse_capture
+from ._dtypes import STRUCT_CODES, check_dtype, check_shape, itemsize, packer, torch_to_numpy
+from ._errors import NotANumberError, ValueOverflowError, describe
+from ._host import align_up
+from ._registry import get_backend
+from ._state import DeviceState, device_state
 
 __all__ = ["StagedWriteTensor", "FusedStagedWriter", "SUPPORTED_DTYPES"]
 
@@ -68,8 +69,8 @@ def _list_bytes(values: tuple[Any, ...], dtype: torch.dtype,
 
 class _Snapshot:
     """A staged list's values with the bytes they converted to when staged (``None``: they
-    were refused then). Only under a backend that ``checks_deferred_reads`` (the simulated
-    CUDA): ``apply_write`` checks that the values still convert to the same bytes."""
+    were refused then). Only under a backend that ``checks_deferred_reads``: ``apply_write``
+    checks that the values still convert to the same bytes."""
 
     __slots__ = ("values", "staged")
 
@@ -146,25 +147,21 @@ def _last_writes(starts: np.ndarray, lens: np.ndarray, idx: np.ndarray,
     return keep
 
 
-# Device views of whole staging blocks, per block: made once (a driver call on CUDA), dropped
-# with the block, so a retired block's pinned memory is never kept alive from here.
-_BLOCK_VIEWS: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDictionary()
-_BLOCK_VIEWS_LOCK = threading.Lock()
-
-
-def _uva_bytes(backend: Backend, region: Any, nbytes: int) -> torch.Tensor:
-    """A device view (uint8) of the first ``nbytes`` of a staging region."""
+def _uva_bytes(state: DeviceState, backend: Backend, region: Any, nbytes: int) -> torch.Tensor:
+    """A device view (uint8) of the first ``nbytes`` of a staging region. Views of whole
+    staging blocks are made once per block (a driver call on CUDA) and kept by the device
+    state weakly, so a retired block's pinned memory is never kept alive from there."""
     block = region.block
-    view = _BLOCK_VIEWS.get(block)
+    views = state.block_views
+    view = views.get(block)
     if view is None:
         with torch.inference_mode(False):
             view = backend.uva_view(block.tensor)
-        with _BLOCK_VIEWS_LOCK:
-            _BLOCK_VIEWS[block] = view
+        views[block] = view
     return view[region.start : region.start + nbytes]
 
 
-class _Batch:
+class _TableBatch:
     """One table's staged writes resolved into unique int64 positions and their values."""
 
     __slots__ = ("table", "count", "idx", "vals")
@@ -188,7 +185,7 @@ class _Scratch:
     def host_bytes(self, n: int) -> torch.Tensor:
         if self.host is None or self.host.numel() < n:
             with torch.inference_mode(False):
-                self.host = torch.empty(max(n, 4096) * 2, dtype=torch.uint8)
+                self.host = torch.empty(max(n, 4096) * 2, dtype=torch.uint8, device="cpu")
         return self.host[:n]
 
     def device_bytes(self, backend: Backend, n: int) -> torch.Tensor:
@@ -202,7 +199,7 @@ class _Scratch:
         return buf[:n]
 
 
-def _apply(backend: Backend, batches: Sequence[_Batch], scratch: _Scratch, label: str) -> None:
+def _apply(backend: Backend, batches: Sequence[_TableBatch], scratch: _Scratch, label: str) -> None:
     """Enqueue the scatters of ``batches`` with at most one host-to-device copy in all."""
     if not backend.accelerator:  # CPU target: the host arrays are device memory there
         args: list[torch.Tensor] = []
@@ -226,10 +223,11 @@ def _apply(backend: Backend, batches: Sequence[_Batch], scratch: _Scratch, label
         host = scratch.host_bytes(nbytes)
         _fill(host.numpy(), batches, layout)
         dev = scratch.device_bytes(backend, nbytes)
-        backend.copy_h2d(dev, host, label)  # host -> device, blocking: pinning is off
-        _launch(backend, dev, batches, layout, label)
+        backend.copy_h2d(dev, host)  # host -> device, blocking: pinning is off
+        _launch(backend, dev, batches, layout)
         return
-    arena = backend.arena()
+    state = device_state(backend)
+    arena = state.arena()
     if nbytes > arena.limit:  # larger than the whole staging cap: in pieces (one copy each)
         for part in _halves(batches):
             _apply(backend, part, scratch, label)
@@ -239,42 +237,42 @@ def _apply(backend: Backend, batches: Sequence[_Batch], scratch: _Scratch, label
         block = region.block
         _fill(block.np[region.start : region.start + nbytes], batches, layout)
         if caps.uva:
-            dev = _uva_bytes(backend, region, nbytes)  # the kernel reads pinned memory
+            dev = _uva_bytes(state, backend, region, nbytes)  # the kernel reads pinned memory
         else:
             dev = scratch.device_bytes(backend, nbytes)
-            backend.copy_h2d(dev, region.tensor(nbytes), label, pinned=True)  # host -> device
-        _launch(backend, dev, batches, layout, label)
+            backend.copy_h2d(dev, region.tensor(nbytes), pinned=True)  # host -> device
+        _launch(backend, dev, batches, layout)
     finally:
         arena.release(region)  # fenced by an event after the kernel that reads it
 
 
-def _halves(batches: Sequence[_Batch]) -> tuple[list[_Batch], list[_Batch]]:
+def _halves(batches: Sequence[_TableBatch]) -> tuple[list[_TableBatch], list[_TableBatch]]:
     """The batches split in two by values. Positions are unique per table once resolved, so
     the halves may be applied in either order."""
     first, second = [], []
     for b in batches:
         h = (b.idx.shape[0] + 1) // 2
-        first.append(_Batch(b.table, 0, b.idx[:h], b.vals[:h]))
+        first.append(_TableBatch(b.table, 0, b.idx[:h], b.vals[:h]))
         if b.idx.shape[0] > h:
-            second.append(_Batch(b.table, 0, b.idx[h:], b.vals[h:]))
+            second.append(_TableBatch(b.table, 0, b.idx[h:], b.vals[h:]))
     return first, second
 
 
-def _fill(mem: np.ndarray, batches: Sequence[_Batch], layout: list[tuple[int, int, int]]
+def _fill(mem: np.ndarray, batches: Sequence[_TableBatch], layout: list[tuple[int, int, int]]
           ) -> None:
     for b, (ioff, voff, n) in zip(batches, layout):
         mem[ioff : ioff + n * 8].view(np.int64)[:] = b.idx  # host write into staging
         mem[voff : voff + b.vals.nbytes].view(b.vals.dtype)[:] = b.vals
 
 
-def _launch(backend: Backend, dev: torch.Tensor, batches: Sequence[_Batch],
-            layout: list[tuple[int, int, int]], label: str) -> None:
+def _launch(backend: Backend, dev: torch.Tensor, batches: Sequence[_TableBatch],
+            layout: list[tuple[int, int, int]]) -> None:
     args: list[torch.Tensor] = []
     for b, (ioff, voff, n) in zip(batches, layout):
         t = b.table
         args += [t._flat, dev[ioff : ioff + n * 8].view(torch.int64),
                  dev[voff : voff + n * t._itemsize].view(t.dtype)]
-    backend.launch(_scatter_all, *args, writes=tuple(args[0::3]), label=label)
+    backend.launch(_scatter_all, *args)
 
 
 class StagedWriteTensor:
@@ -293,18 +291,8 @@ class StagedWriteTensor:
             names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
             raise ValueError(f"StagedWriteTensor does not support dtype {dtype}; supported: "
                              f"{names}")
-        if isinstance(size, (int, np.integer)) and not isinstance(size, bool):
-            dims: tuple[Any, ...] = (size,)
-        elif isinstance(size, (tuple, list, torch.Size)):
-            dims = tuple(size)
-        else:
-            raise TypeError(f"size must be rows or (rows, cols), got {describe(size)}")
-        if len(dims) not in (1, 2) or any(
-                isinstance(d, bool) or not isinstance(d, (int, np.integer)) for d in dims):
-            raise ValueError(f"size must be rows or (rows, cols) of ints, got {size!r}")
-        if any(d < 0 for d in dims):
-            raise ValueError(f"size must not be negative, got {size!r}")
-        self.shape = tuple(int(d) for d in dims)
+        self.shape = check_shape(size, "size (rows or (rows, cols))", ndims=(1, 2),
+                                 dtype=dtype)
         self.num_rows = self.shape[0]
         self.num_cols = self.shape[1] if len(self.shape) == 2 else 1
         self.dtype = dtype
@@ -322,7 +310,7 @@ class StagedWriteTensor:
             elif backend.accelerator:
                 self.gpu = backend.zeros(self.shape, dtype)
             else:
-                self.gpu = torch.zeros(self.shape, dtype=dtype)
+                self.gpu = torch.zeros(self.shape, dtype=dtype, device="cpu")
             self._flat = self.gpu.view(-1)
         self._itemsize = itemsize(dtype)
         npdt = torch_to_numpy(dtype)
@@ -412,7 +400,7 @@ class StagedWriteTensor:
         self._staged.append((row * self._geom[1], n, data))
 
     # -- applying ----------------------------------------------------------------------------
-    def _batch(self, label: str) -> _Batch | None:
+    def _batch(self, label: str) -> _TableBatch | None:
         """The writes staged now, resolved (positions unique, the last staged write wins).
         Entries staged meanwhile by other threads stay for the next apply. Raises (and
         changes nothing) when a value staged as a list does not convert by the rule."""
@@ -435,7 +423,7 @@ class StagedWriteTensor:
         keep = _last_writes(starts, lens, idx, length)
         if keep is not None:
             idx, vals = idx[keep], vals[keep]
-        return _Batch(self, k, idx, vals)
+        return _TableBatch(self, k, idx, vals)
 
     def _values(self, entries: Sequence[tuple[int, int, Any]], chunks: Sequence[Any],
                 length: int, label: str) -> bytearray:
@@ -484,8 +472,8 @@ class StagedWriteTensor:
                 f"row {off // stride}, columns {off % stride}..{off % stride + n}")
         return f"the write staged at {span} of the {self.shape} {self.dtype} table"
 
-    def _changed(self, off: int, n: int, label: str) -> HazardError:
-        return HazardError(
+    def _changed(self, off: int, n: int, label: str) -> Exception:
+        return self._backend.deferred_read_changed(
             f"{label}: a value of {self._where(off, n)} changed between stage_write and "
             "apply_write. stage_write copies the list, not its elements, which apply_write "
             "reads: a tensor or array held in the list must not change until then (pass "

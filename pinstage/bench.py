@@ -28,9 +28,10 @@ import torch
 
 import pinstage
 
-from ._backend import get_backend
+from ._registry import get_backend
+from ._state import device_state
 
-__all__ = ["CASES", "Case", "best_target", "case_names", "cases_for", "check_case_names",
+__all__ = ["CASES", "Case", "best_target", "case_names", "check_case_names",
            "goals", "run_suite"]
 
 
@@ -498,11 +499,6 @@ def skip_reason(case: Case, device: torch.device) -> str | None:
     return case.requires(device) if case.requires is not None else None
 
 
-def cases_for(device: torch.device) -> list[Case]:
-    """The cases that can run on ``device``."""
-    return [c for c in CASES if skip_reason(c, device) is None]
-
-
 def _time_calls(fn: Callable[[], Any], calls: int) -> float:
     """Seconds per call. Like ``timeit``, the garbage collector is off while timing (for both
     sides), so a collection triggered by one side's garbage is not charged to the other. (No
@@ -528,8 +524,8 @@ def run_case(case: Case, device: torch.device, rounds: int) -> dict[str, Any]:
         _time_calls(base, calls)
     _sync(device)
     others = case.also(device) if case.also is not None else {}
-    backend = get_backend(device)
-    stalls0 = backend.stalls
+    state = device_state(get_backend(device))
+    stalls0 = state.stalls
     t_ours, t_base = [], []
     t_other: dict[str, list[float]] = {k: [] for k in others}
     per = case.ops_per_call
@@ -547,7 +543,7 @@ def run_case(case: Case, device: torch.device, rounds: int) -> dict[str, Any]:
         "rounds": rounds, "calls_per_round": calls, "ops_per_call": per,
         "baseline_floor": case.floor or None,
         # host waits for unfinished device work inside pinstage calls, in the timed rounds
-        "pinstage_host_stalls": backend.stalls - stalls0,
+        "pinstage_host_stalls": state.stalls - stalls0,
     }
     for k, ts in t_other.items():
         result[f"{k}_us"] = statistics.median(ts) * 1e6
@@ -638,9 +634,9 @@ def pinned_rss(device: Any) -> dict[str, Any]:
 
 
 def _simulator_open() -> bool:
-    from . import _sim
+    from ._sim import current
 
-    return _sim.current() is not None
+    return current() is not None
 
 
 def resolve_target(device: Any = None) -> torch.device:

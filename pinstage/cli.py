@@ -203,7 +203,7 @@ def _doctor(args: argparse.Namespace) -> int:
         caps = pinstage.capabilities(args.device)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise UsageError(str(exc)) from None
-    from ._memory import staging_limit_in_force
+    from ._capabilities import staging_limit_in_force
 
     limit = staging_limit_in_force(caps.device)  # the cap the arena uses, read once per device
     caps = dataclasses.replace(caps, staging_limit=limit)

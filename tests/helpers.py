@@ -55,21 +55,34 @@ def reference_equal(actual: torch.Tensor, expected: Any) -> None:
     assert torch.equal(actual.cpu().to(exp.dtype), exp), (actual, exp)
 
 
-def run_threads(work: Any, n: int, timeout: float = 60.0) -> None:
-    """Run ``work(t)`` on ``n`` threads with a tiny switch interval (to interleave them often)
-    and fail if any is still running after ``timeout`` seconds (a hang fails, never passes)."""
+def run_threads(work: Any, n: int, timeout_s: float = 60.0) -> None:
+    """Run ``work(i)`` on ``n`` threads with a tiny switch interval (to interleave them often);
+    fail if any is still running after ``timeout_s`` seconds (a hang fails, never passes), and
+    re-raise the first error a thread had."""
     import sys
     import threading
+    import time
+
+    errors: list[BaseException] = []
+
+    def body(i: int) -> None:
+        try:
+            work(i)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
 
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
     try:
-        threads = [threading.Thread(target=work, args=(t,), daemon=True) for t in range(n)]
+        threads = [threading.Thread(target=body, args=(t,), daemon=True) for t in range(n)]
         for th in threads:
             th.start()
+        deadline = time.monotonic() + timeout_s
         for th in threads:
-            th.join(timeout)
+            th.join(max(0.0, deadline - time.monotonic()))
     finally:
         sys.setswitchinterval(old)
     hung = [th.name for th in threads if th.is_alive()]
-    assert not hung, f"threads still running after {timeout} s (deadlock?): {hung}"
+    assert not hung, f"threads still running after {timeout_s} s (deadlock?): {hung}"
+    if errors:
+        raise errors[0]

@@ -19,7 +19,8 @@ CONTRACT_NAMES = {
 
 
 def test_all_is_exactly_the_public_names():
-    extra = {"Finding", "SyncReport", "PinstageError", "ValueOverflowError"}
+    extra = {"Finding", "SyncReport", "PinstageError", "ValueOverflowError", "NotANumberError",
+             "UnavailableError", "CaptureError", "BusyError", "DriverError"}
     assert set(pinstage.__all__) == CONTRACT_NAMES | extra
     for name in pinstage.__all__:
         assert hasattr(pinstage, name), name
@@ -48,3 +49,31 @@ def test_py_typed_ships():
     import importlib.resources
 
     assert importlib.resources.files("pinstage").joinpath("py.typed").is_file()
+
+
+def test_errors_live_at_public_paths():
+    """Every error users catch is importable from ``pinstage`` (``HazardError`` from
+    ``pinstage.testing``) and says so in its ``__module__``; all derive from PinstageError."""
+    from pinstage import testing
+
+    for name in ("PinstageError", "ValueOverflowError", "NotANumberError", "UnavailableError",
+                 "CaptureError", "BusyError", "DriverError", "HiddenSyncError"):
+        cls = getattr(pinstage, name)
+        assert cls.__module__ == "pinstage", name
+        assert issubclass(cls, pinstage.PinstageError), name
+    assert testing.HazardError.__module__ == "pinstage.testing"
+    assert issubclass(pinstage.NotANumberError, TypeError)
+    assert issubclass(pinstage.NotANumberError, ValueError)
+    assert issubclass(pinstage.ValueOverflowError, OverflowError)
+    for name in ("UnavailableError", "CaptureError", "BusyError", "DriverError"):
+        assert issubclass(getattr(pinstage, name), RuntimeError), name
+    assert pinstage.UnavailableError("x", ["why"]).reasons == ("why",)
+
+
+def test_no_import_cycle():
+    """No cycle among pinstage's modules, counting imports inside functions."""
+    import pathlib
+
+    script = pathlib.Path(__file__).parents[1] / "scripts" / "import_graph.py"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr

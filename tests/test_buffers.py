@@ -233,9 +233,9 @@ def test_copies_say_the_source_is_pinned(sim_target, monkeypatch):
     seen = []
     original = backend.copy_h2d
 
-    def spy(dst, src, label="", pinned=False):
+    def spy(dst, src, pinned=False):
         seen.append(pinned)
-        original(dst, src, label, pinned=pinned)
+        original(dst, src, pinned=pinned)
 
     monkeypatch.setattr(backend, "copy_h2d", spy)
     buf = pinstage.CpuGpuBuffer(4, dtype=torch.int32, device=sim_target.device)
@@ -257,9 +257,9 @@ def test_pool_fences_each_hand_out_on_its_own_stream(monkeypatch):
         recorded = []
         original = backend.record_event
 
-        def record(stream):
+        def record(event, stream):
             recorded.append(stream)
-            return original(stream)
+            return original(event, stream)
 
         monkeypatch.setattr(backend, "record_event", record)
         pool = pinstage.UvaBufferPool(4, torch.int64, max_concurrency=2, device=sim.device)
@@ -310,7 +310,7 @@ def test_non_uva_buffer_refuses_a_second_thread_inside_uva(monkeypatch):
         original = backend.copy_h2d
         outcome = []
 
-        def slow_copy(dst, src, label="", pinned=False):
+        def slow_copy(dst, src, pinned=False):
             def other():
                 try:
                     buf.uva()
@@ -321,7 +321,7 @@ def test_non_uva_buffer_refuses_a_second_thread_inside_uva(monkeypatch):
             th = threading.Thread(target=other)
             th.start()
             th.join()
-            original(dst, src, label, pinned=pinned)
+            original(dst, src, pinned=pinned)
 
         monkeypatch.setattr(backend, "copy_h2d", slow_copy)
         buf.uva()

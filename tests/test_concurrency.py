@@ -1,10 +1,10 @@
 """The staging arena under threads, interrupts and fork.
 
 Two kinds of device run here: the CPU target and the simulator (through the public API), and
-``AsyncDevice``: a small thread-safe device with one worker thread per stream that runs queued
-copies late and in its own time. It drives the arena (``StagingArena``, through the device
-seam) under real concurrency, where a region reused before its copy ran shows up as a wrong
-result, and an event recorded on the wrong stream as well.
+``AsyncDevice`` (tests/async_device.py): a small thread-safe device with one worker thread per
+stream that runs queued copies late and in its own time. It drives the arena (``StagingArena``,
+through the device seam) under real concurrency, where a region reused before its copy ran
+shows up as a wrong result, and an event recorded on the wrong stream as well.
 """
 
 from __future__ import annotations
@@ -16,152 +16,20 @@ import signal
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from async_device import AsyncDevice
+from helpers import run_threads
 
 import pinstage
-from pinstage._backend import Backend, Probe
-from pinstage._memory import HostRegion, StagingArena
+from pinstage._memory import StagingArena
 from pinstage.testing import simulated_accelerator
 
 SIM_MODES = ["eager", "lazy", "random"]
-
-
-# --------------------------------------------------------------------------------------------
-# A thread-safe asynchronous device
-
-
-class _Stream:
-    """One in-order queue run by its own worker thread, with a random delay per operation."""
-
-    def __init__(self, seed: int, max_delay_s: float) -> None:
-        # ``with self.lock`` (a C-level lock: no Python ``__exit__`` an interrupt could skip);
-        # the condition over it only for the worker's waits.
-        self.lock = threading.RLock()
-        self.cond = threading.Condition(self.lock)
-        self.queue: deque[tuple[int, Callable[[], Any]]] = deque()
-        self.queued = 0
-        self.done = 0
-        self.paused = False
-        self.rng = random.Random(seed)
-        self.max_delay_s = max_delay_s
-        self.closed = False
-        self.error: BaseException | None = None
-        self.worker = threading.Thread(target=self._run, daemon=True)
-        self.worker.start()
-
-    def enqueue(self, fn: Callable[[], Any]) -> None:
-        with self.lock:
-            self.queued += 1
-            self.queue.append((self.queued, fn))
-            self.cond.notify_all()
-
-    def _run(self) -> None:
-        while True:
-            with self.lock:
-                while not self.closed and (self.paused or not self.queue):
-                    self.cond.wait(0.005)  # (a notify can be lost to an interrupt)
-                if self.closed:
-                    return
-                seq, fn = self.queue[0]
-            if self.max_delay_s:
-                time.sleep(self.rng.random() * self.max_delay_s)
-            try:
-                fn()
-            except BaseException as exc:  # noqa: BLE001 - reported by the test
-                self.error = exc
-            del fn  # (a device keeps no reference to what it read)
-            with self.lock:
-                self.queue.popleft()
-                self.done = seq
-                self.cond.notify_all()
-
-    def wait(self, seq: int) -> None:
-        # Polls (no Condition.wait: an interrupt inside it can leave its lock released)
-        deadline = time.monotonic() + 30
-        while self.done < seq:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"device stream stuck: waiting for {seq}, done "
-                                     f"{self.done}, queued {self.queued}, "
-                                     f"{len(self.queue)} in the queue, paused {self.paused}")
-            time.sleep(20e-6)
-
-    def close(self) -> None:
-        with self.lock:
-            self.closed = True
-            self.cond.notify_all()
-
-
-class AsyncDevice(Backend):
-    """A device whose copies run later, on per-stream worker threads (thread-safe).
-
-    Memory is host memory; ``current_stream()`` is per calling thread (``use_stream``).
-    Events are ``(stream, sequence number)``: they fence that stream only."""
-
-    name = "async-test"
-    accelerator = True
-
-    def __init__(self, streams: int = 2, seed: int = 0, max_delay_s: float = 0.0002) -> None:
-        super().__init__()
-        self.device = torch.device("cpu")
-        self.streams = [_Stream(seed + i, max_delay_s) for i in range(streams)]
-        self._local = threading.local()
-        self.records: list[int] = []  # stream of every recorded event
-        self.pinned_bytes = 0
-
-    def probe(self) -> Probe:
-        return Probe(True, True, False, ("test device",))
-
-    def use_stream(self, i: int) -> None:
-        self._local.stream = i
-
-    def current_stream(self) -> int:
-        return getattr(self._local, "stream", 0)
-
-    def alloc_pinned(self, nbytes: int, *, in_use: bool = True) -> torch.Tensor:
-        return HostRegion(nbytes, in_use=in_use, page_aligned=False).as_tensor()
-
-    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, label: str = "",
-                 pinned: bool = False) -> None:
-        self.streams[self.current_stream()].enqueue(lambda: dst.copy_(src))
-
-    def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, label: str = "") -> None:
-        self.streams[self.current_stream()].enqueue(lambda: dst.copy_(src))
-
-    def record_event(self, stream: Any) -> tuple[int, int]:
-        s = self.streams[stream]
-        with s.lock:
-            self.records.append(stream)
-            return (stream, s.queued)
-
-    def event_done(self, event: Any) -> bool:
-        if event is None:
-            return True
-        s = self.streams[event[0]]
-        with s.lock:
-            return s.done >= event[1]
-
-    def wait_event(self, event: Any) -> None:
-        if event is not None:
-            self.streams[event[0]].wait(event[1])
-
-    def synchronize(self) -> None:
-        for s in self.streams:
-            with s.lock:
-                target = s.queued
-            s.wait(target)
-
-    def close(self) -> None:
-        for s in self.streams:
-            s.close()
-
-    def errors(self) -> list[BaseException]:
-        return [s.error for s in self.streams if s.error is not None]
 
 
 @pytest.fixture
@@ -169,29 +37,6 @@ def async_device() -> Iterator[AsyncDevice]:
     dev = AsyncDevice()
     yield dev
     dev.close()
-
-
-def run_threads(target: Callable[[int], None], n: int, timeout_s: float) -> None:
-    """Run ``target(i)`` on ``n`` threads; fail (never hang) if one is still alive after
-    ``timeout_s``, and re-raise the first error a thread had."""
-    errors: list[BaseException] = []
-
-    def body(i: int) -> None:
-        try:
-            target(i)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout_s
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    alive = [t.name for t in threads if t.is_alive()]
-    assert not alive, f"threads still running after {timeout_s} s (deadlock or livelock): {alive}"
-    if errors:
-        raise errors[0]
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,6 +17,11 @@ import torch
 
 import pinstage
 from pinstage import _cuda
+from pinstage._state import device_state
+
+
+def _probe(backend):
+    return backend.probe(lambda n: device_state(backend).alloc_pinned(n, in_use=False))
 
 
 class FakeCudart:
@@ -52,8 +57,9 @@ def fake_cuda(monkeypatch, quiet_gc):
     rt.runtime = FakeRuntime()  # type: ignore[attr-defined]
     monkeypatch.setattr(_cuda, "_get_runtime", lambda: rt.runtime)  # type: ignore[attr-defined]
     # no device here: streams and events are trivially complete
-    monkeypatch.setattr(_cuda.CudaBackend, "current_stream", lambda self: None)
-    monkeypatch.setattr(_cuda.CudaBackend, "record_event", lambda self, stream: None)
+    monkeypatch.setattr(_cuda.CudaBackend, "current_stream", lambda self: "stream")
+    monkeypatch.setattr(_cuda.CudaBackend, "new_event", lambda self: object())
+    monkeypatch.setattr(_cuda.CudaBackend, "record_event", lambda self, event, stream: None)
     monkeypatch.setattr(_cuda.CudaBackend, "event_done", lambda self, event: True)
     monkeypatch.setattr(torch.cuda, "init", lambda: None)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
@@ -65,7 +71,7 @@ def fake_cuda(monkeypatch, quiet_gc):
 def test_pinned_memory_is_registered_exactly_and_released(fake_cuda):
     backend = _cuda.CudaBackend(0)
     before = pinstage.host_memory_stats()["reserved_bytes"]
-    t = backend.alloc_pinned(3 * 4096 + 5)
+    t = device_state(backend).alloc_pinned(3 * 4096 + 5)
     assert t.dtype == torch.uint8 and t.numel() == 3 * 4096 + 5
     (ptr, (size, flags)), = fake_cuda.registered.items()
     assert ptr == t.data_ptr() and ptr % 4096 == 0
@@ -86,14 +92,15 @@ def test_failed_registration_raises_and_leaks_nothing(monkeypatch, fake_cuda):
     fake_cuda.fail = True
     before = pinstage.host_memory_stats()["reserved_bytes"]
     with pytest.raises(RuntimeError, match="cudaHostRegister"):
-        _cuda.CudaBackend(0).alloc_pinned(4096)
+        backend = _cuda.CudaBackend(0)
+        device_state(backend).alloc_pinned(4096)
     assert pinstage.host_memory_stats()["reserved_bytes"] == before
     assert fake_cuda.runtime.cleared == 1  # the failed call's error is not left set
 
 
 def test_probe_fails_closed_when_pinning_fails(fake_cuda):
     fake_cuda.fail = True
-    probe = _cuda.CudaBackend(0).probe()
+    probe = _probe(_cuda.CudaBackend(0))
     assert probe.accelerator and not probe.can_pin and not probe.uva
     assert any("pinned host memory unavailable" in r for r in probe.reasons)
 
@@ -105,7 +112,7 @@ def test_probe_turns_uva_off_when_mapping_fails(monkeypatch, fake_cuda):
         raise OSError("cannot find the libcudart runtime library")
 
     monkeypatch.setattr(_cuda, "_get_runtime", no_runtime)
-    probe = _cuda.CudaBackend(0).probe()
+    probe = _probe(_cuda.CudaBackend(0))
     assert probe.can_pin and not probe.uva
     assert any("UVA off" in r and "libcudart" in r for r in probe.reasons)
 
@@ -114,7 +121,7 @@ def test_old_wsl_kernel_turns_pinning_off(monkeypatch, fake_cuda):
     from pinstage import _platform
 
     monkeypatch.setattr(_cuda, "wsl_info", lambda: _platform.wsl_info("4.19.104-microsoft"))
-    probe = _cuda.CudaBackend(0).probe()
+    probe = _probe(_cuda.CudaBackend(0))
     assert not probe.can_pin and any("WSL" in r for r in probe.reasons)
     assert fake_cuda.registered == {}  # it did not even try (a failed pin can be sticky)
 
@@ -126,9 +133,22 @@ def test_new_wsl_kernel_caps_the_staging_arena(monkeypatch, fake_cuda):
                         lambda: _platform.wsl_info("5.15.153.1-microsoft-standard-WSL2"))
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a, **k: True)
     monkeypatch.setattr(_cuda.CudaBackend, "_coherence_probe", lambda self, buf: True)
-    probe = _cuda.CudaBackend(0).probe()
+    probe = _probe(_cuda.CudaBackend(0))
     assert probe.can_pin and probe.uva
     assert probe.staging_limit == 64 * 2**20
+
+
+def test_probe_reports_a_bug_instead_of_turning_uva_off(monkeypatch, fake_cuda):
+    """Only the driver's own failures mean "unavailable": a bug (here a TypeError inside the
+    mapping) propagates instead of silently switching UVA off."""
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a, **k: True)
+
+    def broken(self, host):
+        raise TypeError("a bug in pinstage")
+
+    monkeypatch.setattr(_cuda.CudaBackend, "uva_view", broken)
+    with pytest.raises(TypeError, match="a bug in pinstage"):
+        _probe(_cuda.CudaBackend(0))
 
 
 def test_device_pointer_errors_are_runtime_errors(monkeypatch):

@@ -12,7 +12,8 @@ import torch
 
 import pinstage
 from pinstage import _capabilities
-from pinstage._backend import Probe
+from pinstage._device import Probe
+from pinstage._state import device_state
 from pinstage.testing import simulated_accelerator
 
 
@@ -95,10 +96,11 @@ def test_platform_staging_cap_is_logged_once(caplog, monkeypatch):
     caplog.set_level(logging.WARNING, logger="pinstage")
     for _ in range(2):
         with simulated_accelerator() as sim:
-            probe = sim.backend.probe()
+            state = device_state(sim.backend)
+            probe = state.probe()
             capped = Probe(probe.accelerator, probe.can_pin, probe.uva,
                            (*probe.reasons, "running under WSL kernel 5.15: capped"), 64 << 20)
-            monkeypatch.setattr(sim.backend, "probe", lambda capped=capped: capped)
+            monkeypatch.setattr(state, "probe", lambda capped=capped: capped)
             caps = pinstage.capabilities(sim.device)
             assert caps.staging_limit == 64 << 20
     msgs = [r.getMessage() for r in records(caplog)]
@@ -108,8 +110,9 @@ def test_platform_staging_cap_is_logged_once(caplog, monkeypatch):
     caplog.clear()
     monkeypatch.setenv("PINSTAGE_STAGING_LIMIT", "32MiB")
     with simulated_accelerator() as sim:
-        probe = sim.backend.probe()
-        monkeypatch.setattr(sim.backend, "probe", lambda: Probe(
+        state = device_state(sim.backend)
+        probe = state.probe()
+        monkeypatch.setattr(state, "probe", lambda: Probe(
             probe.accelerator, probe.can_pin, probe.uva, probe.reasons, 64 << 20))
         pinstage.capabilities(sim.device)
     assert records(caplog) == []

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pinstage
-from pinstage._memory import parse_size
+from pinstage._memory import device_state, parse_size
 from pinstage.testing import HazardError, simulated_accelerator
 
 
@@ -63,7 +63,7 @@ def test_full_arena_waits_and_counts(monkeypatch):
                 for i in range(12)]  # 2 KiB each: the 8 KiB ring fills
         assert pinstage.host_memory_stats()["waits"] > waits0
         assert sim.stats.host_stalls > 0
-        assert sim.backend.arena().reserved <= 8192
+        assert device_state(sim.backend).arena().reserved <= 8192
         sim.synchronize()
         for i, o in enumerate(outs):
             assert bool((o == i).all())
@@ -109,7 +109,7 @@ def test_ring_arena_directly():
         live = []
         for _ in range(40):
             r = arena.alloc(1000)
-            live = [x for x in live if not (x.fenced and sim.backend.event_done(x.event))]
+            live = [x for x in live if not (x.fenced and x.fence.done())]
             for other in live:
                 assert r.end <= other.start or other.end <= r.start
             sim.backend.launch(lambda: None)  # a reader of r
@@ -151,11 +151,11 @@ def test_steady_state_allocates_no_pinned_memory(mode, quiet_gc):
         for i in range(5):
             step(i)
         before = pinstage.host_memory_stats()["reserved_bytes"]
-        reserved = sim.backend.arena().reserved
+        reserved = device_state(sim.backend).arena().reserved
         for i in range(5, 60):
             step(i)
         assert pinstage.host_memory_stats()["reserved_bytes"] == before
-        assert sim.backend.arena().reserved == reserved
+        assert device_state(sim.backend).arena().reserved == reserved
         assert sim.stats.host_stalls == 0
 
 
@@ -181,7 +181,7 @@ def test_staging_limit_is_read_once_per_device(monkeypatch):
         assert staging_limit_in_force(sim.device) == 8192
         data = np.arange(3000)  # 24 KB: must still go in pieces through the 8 KiB arena
         out = pinstage.async_tensor_h2d(data, sim.device)
-        assert sim.backend.arena().reserved <= 8192
+        assert device_state(sim.backend).arena().reserved <= 8192
         sim.synchronize()
         np.testing.assert_array_equal(out.cpu().numpy(), data)
 
@@ -297,7 +297,7 @@ class _FenceLog:
     """Events that complete only when told, to see when parked memory is given back."""
 
     def __init__(self):
-        from test_concurrency import AsyncDevice
+        from async_device import AsyncDevice
 
         self.dev = AsyncDevice(streams=2)
         self.unpinned = []
@@ -357,7 +357,7 @@ def test_dropped_pinned_memory_is_released_at_exit():
     code = (
         "import sys; sys.path.insert(0, 'tests')\n"
         "import torch\n"
-        "from test_concurrency import AsyncDevice\n"
+        "from async_device import AsyncDevice\n"
         "from pinstage._memory import HostRegion\n"
         "from test_memory import _unowned_view\n"
         "dev = AsyncDevice(streams=1)\n"

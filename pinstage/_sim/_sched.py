@@ -1,4 +1,5 @@
-"""The simulated device's clock: streams, events, queued operations, hazards.
+"""The simulated device's scheduler: devices, streams, events, queued operations, and the loop
+that runs them, beside the data it runs over.
 
 Each simulated stream is a FIFO of :class:`Op`. Work on one stream runs in order; an op that
 waits on an event (``Stream.wait_event``) also needs the other stream to have reached the
@@ -6,179 +7,49 @@ event's point. Nothing runs on its own: the host drives execution, at once (``"e
 when it has to wait (``"lazy"``), or also at seeded random points (``"random"``), which then
 explores the orders the events allow.
 
-Every read of host memory by queued work (a copy from pinned memory, a kernel reading a UVA
-view) is snapshotted when queued and compared when it runs; memory pinstage registered and
-then unregistered before the read ran is reported too. Both raise :class:`HazardError`.
+:class:`Scheduler` is the package-internal API the rest of the simulator uses: the current
+device and stream of each thread, ``enqueue``, ``host_wait``, ``synchronize``, captures.
 """
 
 from __future__ import annotations
 
-import ctypes
-import os
-import sys
+import itertools
 import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-from .._errors import HazardError
+from .._callsite import in_pinstage_call
+from ._hazards import HostRead
 
-if TYPE_CHECKING:
-    from . import Simulator
+__all__ = ["Op", "SimStream", "SimEvent", "SimStats", "Scheduler", "MAX_QUEUED", "MODES"]
 
-__all__ = ["Op", "HostRead", "SimStream", "SimEvent", "Registration", "PinnedBlock",
-           "MAX_QUEUED", "poison_", "host_bytes"]
-
+MODES = ("eager", "lazy", "random")
 MAX_QUEUED = 1024  # per stream, like a GPU's launch queue: one more makes the host wait
-
-_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_SIM_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_QUIET = (_SIM_DIR, _TORCH, os.path.join(_PKG, "testing.py"))
-_NOT_PINSTAGE_CALLS = (os.path.join(_PKG, "bench.py"), os.path.join(_PKG, "cli.py"))
-
-
-def poison_(t: torch.Tensor) -> None:
-    """Fill ``t`` with an obviously wrong value: NaN for floats, the dtype's minimum for signed
-    integers, its maximum for unsigned ones (what a destination holds until the device
-    writes it)."""
-    if t.numel() == 0:
-        return
-    if t.dtype.is_floating_point or t.dtype.is_complex:
-        t.fill_(float("nan"))
-    elif t.dtype == torch.bool:
-        t.fill_(True)
-    elif torch.iinfo(t.dtype).min == 0:  # unsigned: the minimum (0) would look like data
-        t.fill_(torch.iinfo(t.dtype).max)
-    else:
-        t.fill_(torch.iinfo(t.dtype).min)
-
-
-def host_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``t`` (so NaN == NaN when comparing snapshots)."""
-    flat = t.reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    return flat.view(torch.uint8) if flat.dtype != torch.bool else flat
-
-
-def span(t: torch.Tensor) -> tuple[int, int]:
-    """The byte range of memory ``t`` may touch."""
-    if t.numel() == 0:
-        return (t.data_ptr(), t.data_ptr())
-    size = t.element_size()
-    lo = hi = t.data_ptr()
-    for n, st in zip(t.shape, t.stride()):
-        if st >= 0:
-            hi += (n - 1) * st * size
-        else:
-            lo += (n - 1) * st * size
-    return (lo, hi + size)
-
-
-class Registration:
-    """Host memory pinstage registered with the (simulated) driver. Queued reads hold this,
-    not the memory: if it is unregistered before they run, that is a use-after-free."""
-
-    __slots__ = ("alive", "ptr", "size")
-
-    def __init__(self, ptr: int, size: int) -> None:
-        self.ptr, self.size, self.alive = ptr, size, True
-
-
-class PinnedBlock:
-    """Host memory that torch's (simulated) caching host allocator pinned: ``pin_memory=True``,
-    ``Tensor.pin_memory()``. Queued reads keep it alive, as torch's allocator does on CUDA."""
-
-    def __init__(self, sim: Simulator, nbytes: int) -> None:
-        self._buf = np.zeros(max(nbytes, 1) + 64, dtype=np.uint8)
-        base = self._buf.ctypes.data
-        self.ptr = (base + 63) // 64 * 64
-        self.nbytes = nbytes
-        self._sim = sim
-        self.__array_interface__ = {"data": (self.ptr, False), "shape": (nbytes,),
-                                    "typestr": "|u1", "version": 3}
-        sim.pinned.add(self.ptr, self.ptr + max(nbytes, 1), self, weak=True)
-
-    def __del__(self) -> None:
-        try:
-            self._sim.pinned.remove(self.ptr)
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
-
-
-def _from_address(ptr: int, nbytes: int) -> torch.Tensor:
-    """A uint8 tensor over raw host memory (used only while its registration is alive)."""
-    buf = (ctypes.c_uint8 * max(nbytes, 1)).from_address(ptr)
-    return torch.from_numpy(np.ctypeslib.as_array(buf)[:nbytes])
+POLLS_BEFORE_PROGRESS = 16  # query() calls on unfinished work before the device "catches up"
 
 
 @dataclass
-class HostRead:
-    """One read of host memory by queued work, checked when the work runs."""
+class SimStats:
+    """Counters of simulated device work. ``host_stalls``: host waits for unfinished device
+    work inside pinstage calls, and copies from pageable memory (they block the host on a real
+    device); ``syncs``: every host wait, explicit ones included."""
 
-    what: str
-    tensor: torch.Tensor | None  # held (torch-pinned or pageable memory) ...
-    reg: Registration | None  # ... or only described (pinstage-registered memory)
-    layout: tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype, int] | None
-    snapshot: torch.Tensor | None
-    span: tuple[int, int]
-    frozen: torch.Tensor | None = None  # the values it will read, taken before poisoning
+    copies: int = 0  # host -> device transfers, pinned or pageable
+    pageable_copies: int = 0  # of which from pageable memory (blocking)
+    d2h_copies: int = 0
+    d2d_copies: int = 0
+    launches: int = 0  # device operations (kernels) and sim.launch calls
+    host_stalls: int = 0
+    syncs: int = 0
+    events: int = 0
 
-    @classmethod
-    def of(cls, sim: Simulator, t: torch.Tensor, what: str, snapshot: bool = True) -> HostRead:
-        reg = sim.registration_of(t)
-        sp = span(t)
-        snap = host_bytes(t).clone() if snapshot else None
-        if reg is None:
-            return cls(what, t, None, None, snap, sp)
-        layout = (sp[0], tuple(t.shape), tuple(t.stride()), t.dtype,
-                  (t.data_ptr() - sp[0]) // max(t.element_size(), 1))
-        return cls(what, None, reg, layout, snap, sp)
-
-    def resolve(self, label: str) -> torch.Tensor:
-        """The memory, now; a hazard if pinstage unregistered (freed) it meanwhile."""
-        if self.tensor is not None:
-            return self.tensor
-        assert self.reg is not None and self.layout is not None  # noqa: S101 - internal
-        if not self.reg.alive:
-            raise HazardError(
-                f"{label}: the {self.what} (pinned host memory at {self.span[0]:#x}, "
-                f"{self.span[1] - self.span[0]} bytes, registered by pinstage) was "
-                "unregistered/freed before this queued work read it; on a real device the "
-                "copy reads freed memory")
-        lo, shape, stride, dtype, offset = self.layout
-        raw = _from_address(lo, self.span[1] - lo)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        pad = (-raw.numel()) % itemsize
-        if pad:
-            raw = torch.cat([raw, raw.new_zeros(pad)])
-        return raw.view(dtype).as_strided(shape, stride, offset)
-
-    def freeze(self, label: str) -> None:
-        """The simulator is about to poison memory this pending read covers (a device-to-host
-        destination queued after it): by stream order the read happens first, so keep what
-        it will see now (unless the host already changed it: that hazard still raises)."""
-        if self.frozen is not None:
-            return
-        t = self.resolve(label)
-        if self.snapshot is None or torch.equal(host_bytes(t), self.snapshot):
-            self.frozen = t.clone()
-
-    def check(self, label: str) -> torch.Tensor:
-        if self.frozen is not None:
-            return self.frozen
-        t = self.resolve(label)
-        if self.snapshot is not None and not torch.equal(host_bytes(t), self.snapshot):
-            raise HazardError(
-                f"{label}: the {self.what} (host memory at {self.span[0]:#x}, shape "
-                f"{tuple(t.shape)}, {t.dtype}) was changed by the host after the work was "
-                "queued and before it ran; on a real device the work would see the new values")
-        return t
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
 
 
 class Op:
@@ -202,53 +73,48 @@ class Op:
 class SimStream:
     """``torch.cuda.Stream`` while a simulator is open: a FIFO of device work."""
 
-    def __init__(self, device: Any = None, priority: int = 0, *, _sim: Simulator | None = None,
-                 _index: int | None = None) -> None:
-        from . import active
-
-        sim = _sim or active()
-        if _index is None:
-            _index = sim.device_index(device)
-        self._sim = sim
-        self.device_index = _index
-        self.device = torch.device("cuda", _index)
+    def __init__(self, sched: Scheduler, index: int, priority: int = 0) -> None:
+        self.sched = sched
+        self.device_index = index
+        self.device = torch.device("cuda", index)
         self.priority = priority
-        self.stream_id = sim.new_stream_id()
+        self.stream_id = sched.new_stream_id()
         self.cuda_stream = 0x5100_0000 + self.stream_id
-        self._queue: deque[Op] = deque()
-        self._done = 0
-        self._last = 0
-        self._capture: Any = None  # the CUDAGraph capturing this stream, if any
+        self.queue: deque[Op] = deque()
+        self.done = 0  # seq of the last op run
+        self.last = 0  # seq of the last op queued
+        self.capture: Any = None  # the CUDAGraph capturing this stream, if any
 
     # -- torch.cuda.Stream API -----------------------------------------------------------------
     def wait_event(self, event: SimEvent) -> None:
         """Work queued on this stream from now on waits for ``event``'s point."""
-        if event._stream is None:
+        if event.stream is None:
             return
-        self._sim.enqueue(self, Op(f"wait for an event of stream {event._stream.stream_id}",
-                                   None, deps=[(event._stream, event._seq)]))
+        self.sched.enqueue(self, Op(f"wait for an event of stream {event.stream.stream_id}",
+                                    None, deps=[(event.stream, event.seq)]), None)
 
     def wait_stream(self, stream: SimStream) -> None:
         """Work queued on this stream from now on waits for all work queued on ``stream``."""
-        ev = SimEvent()
+        ev = SimEvent(self.sched)
         ev.record(stream)
         self.wait_event(ev)
 
     def record_event(self, event: SimEvent | None = None) -> SimEvent:
-        event = event or SimEvent()
+        event = event or SimEvent(self.sched)
         event.record(self)
         return event
 
     def query(self) -> bool:
-        self._sim.check_not_capturing("Stream.query()")
-        with self._sim.lock:
-            self._sim.maybe_progress()
-            if self._done < self._last:
-                return self._sim.poll(self, self._last)
+        sched = self.sched
+        sched.check_not_capturing("Stream.query()")
+        with sched.lock:
+            sched.maybe_progress()
+            if self.done < self.last:
+                return sched.poll(self, self.last)
             return True
 
     def synchronize(self) -> None:
-        self._sim.host_wait(self, self._last, "Stream.synchronize()", explicit=True)
+        self.sched.host_wait(self, self.last, "Stream.synchronize()", explicit=True)
 
     def __eq__(self, other: object) -> bool:
         return self is other
@@ -261,28 +127,22 @@ class SimStream:
                 "(simulated)>")
 
     def __enter__(self) -> SimStream:
-        from ._api import _stream_ctx_enter
-
-        _stream_ctx_enter(self)
+        self.sched.enter_stream(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        from ._api import _stream_ctx_exit
-
-        _stream_ctx_exit(self)
+        self.sched.exit_stream()
 
 
 class SimEvent:
     """``torch.cuda.Event`` while a simulator is open: a point in one stream's queue."""
 
-    def __init__(self, enable_timing: bool = False, blocking: bool = False,
+    def __init__(self, sched: Scheduler, enable_timing: bool = False, blocking: bool = False,
                  interprocess: bool = False, external: bool = False) -> None:
-        from . import active
-
-        self._sim = active()
-        self._stream: SimStream | None = None
-        self._seq = 0
-        self._captured = False
+        self.sched = sched
+        self.stream: SimStream | None = None
+        self.seq = 0
+        self.captured = False
         self.enable_timing = enable_timing
         self.blocking = blocking
 
@@ -290,42 +150,44 @@ class SimEvent:
         """Mark the point after all work queued on ``stream`` (default: current) so far."""
         if stream is not None and not isinstance(stream, SimStream):
             raise TypeError(f"Event.record() expects a torch.cuda.Stream, got {stream!r}")
-        sim = self._sim = stream._sim if stream is not None else self._sim
-        if sim.closed:  # a stream of a simulator that has closed: all its work has run
-            self._stream = None
+        sched = self.sched = stream.sched if stream is not None else self.sched
+        if sched.closed:  # a stream of a simulator that has closed: all its work has run
+            self.stream = None
             return
-        stream = stream if stream is not None else sim.current_stream()
-        with sim.lock:
-            sim.stats.events += 1
-            self._stream = stream
-            self._seq = stream._last
-            self._captured = stream._capture is not None
+        stream = stream if stream is not None else sched.current_stream()
+        with sched.lock:
+            sched.stats.events += 1
+            self.stream = stream
+            self.seq = stream.last
+            self.captured = stream.capture is not None
 
     def query(self) -> bool:
-        if self._captured or self._sim.capturing_any():
+        sched = self.sched
+        if self.captured or sched.capturing_any():
             raise RuntimeError("CUDA error: operation not permitted when stream is capturing "
                                "(Event.query() during CUDA graph capture; simulated)")
-        if self._stream is None:
+        stream = self.stream
+        if stream is None:
             return True
-        with self._sim.lock:
-            self._sim.maybe_progress()
-            if self._stream._done < self._seq:
-                return self._sim.poll(self._stream, self._seq)
+        with sched.lock:
+            sched.maybe_progress()
+            if stream.done < self.seq:
+                return sched.poll(stream, self.seq)
             return True
 
     def synchronize(self) -> None:
-        if self._stream is None:
+        if self.stream is None:
             return
-        self._sim.host_wait(self._stream, self._seq, "Event.synchronize()", explicit=True)
+        self.sched.host_wait(self.stream, self.seq, "Event.synchronize()", explicit=True)
 
     def wait(self, stream: SimStream | None = None) -> None:
-        stream = stream if stream is not None else self._sim.current_stream()
+        stream = stream if stream is not None else self.sched.current_stream()
         stream.wait_event(self)
 
     def elapsed_time(self, end_event: SimEvent) -> float:
         if not (self.enable_timing and end_event.enable_timing):
             raise ValueError("Both events must be created with argument 'enable_timing=True'")
-        if self._stream is None or end_event._stream is None:
+        if self.stream is None or end_event.stream is None:
             raise RuntimeError("CUDA error: device not ready (elapsed_time of an event that "
                                "was not recorded; simulated)")
         self.synchronize()
@@ -333,47 +195,253 @@ class SimEvent:
         return 0.0
 
     def __repr__(self) -> str:
-        where = "unrecorded" if self._stream is None else \
-            f"stream {self._stream.stream_id} op {self._seq}"
+        where = "unrecorded" if self.stream is None else \
+            f"stream {self.stream.stream_id} op {self.seq}"
         return f"<torch.cuda.Event {where} (simulated)>"
 
 
-def caller_is_pinstage() -> bool:
-    """Whether the host wait happening now was made by pinstage code (a host stall inside a
-    pinstage call) rather than by the user's own code."""
-    frame: Any = sys._getframe(2)
-    while frame is not None:
-        fn = frame.f_code.co_filename
-        if not (fn.startswith(_QUIET) or fn.startswith("<") or "contextlib" in fn):
-            return fn.startswith(_PKG) and not fn.startswith(_NOT_PINSTAGE_CALLS)
-        frame = frame.f_back
-    return False
-
-
 class _Tls(threading.local):
-    running: bool = False
+    def __init__(self) -> None:
+        self.device: dict[int, int] = {}  # scheduler id -> current device index
+        self.stream: dict[tuple[int, int], SimStream] = {}  # (sched id, index) -> stream
+        self.ctx: list[tuple[int, SimStream]] = []  # `with stream:` stack
+        self.running = False  # inside an op's body (a kernel cannot wait for the device)
 
 
 _tls = _Tls()
 
 
-def run_op(sim: Simulator, op: Op) -> None:
-    """Execute one op now (its dependencies are done): check its host reads, run it."""
-    label = op.label
-    tensors = [r.check(label) for r in op.reads]
-    if op.fn is not None:
-        if _tls.running:  # a kernel cannot wait for the device
-            raise RuntimeError(f"{label}: simulated device work tried to wait for device work")
-        _tls.running = True
-        try:
-            with torch._C.DisableTorchFunction():
-                op.fn(tensors)
-        finally:
-            _tls.running = False
-    if op.host_writes:  # later reads of what this wrote can't be checked by content
-        for s in sim.all_streams():
-            for later in s._queue:
-                for r in later.reads:
-                    if r.snapshot is not None and any(
-                            r.span[0] < w[1] and w[0] < r.span[1] for w in op.host_writes):
-                        r.snapshot = None
+class Scheduler:
+    """The simulated devices' streams and queues, and the loop that runs them."""
+
+    def __init__(self, mode: str, seed: int, device_count: int) -> None:
+        self.mode = mode
+        self.device_count = device_count
+        self.stats = SimStats()
+        self.lock = threading.RLock()
+        self.closed = False
+        self.sticky_error: str | None = None  # a failed driver call's error, until cleared
+        self.sync_debug_mode = 0
+        self.rng = np.random.default_rng(seed)
+        self._ids = itertools.count(1)
+        self._streams: list[SimStream] = []
+        self._defaults = [SimStream(self, i) for i in range(device_count)]
+        self._capturing = 0
+        self._polls: dict[tuple[int, int], int] = {}
+
+    def reset_lock(self) -> None:
+        """In a forked child: the thread that held the lock is gone."""
+        self.lock = threading.RLock()
+
+    # -- devices and streams -----------------------------------------------------------------
+    def new_stream_id(self) -> int:
+        return next(self._ids) - 1
+
+    def device_index(self, device: Any = None) -> int:
+        """The index ``device`` names (``None``/``"cuda"``: the current device)."""
+        if device is None:
+            return self.current_device()
+        if isinstance(device, SimStream):
+            return device.device_index
+        if isinstance(device, int) and not isinstance(device, bool):
+            index: int | None = device
+        else:
+            dev = torch.device(device)
+            if dev.type != "cuda":
+                raise ValueError(f"Expected a cuda device, but got: {dev}")
+            index = dev.index
+        if index is None:
+            return self.current_device()
+        if not 0 <= index < self.device_count:
+            raise RuntimeError(f"CUDA error: invalid device ordinal (cuda:{index}; the "
+                               f"simulator has {self.device_count} device(s))")
+        return index
+
+    def current_device(self) -> int:
+        return _tls.device.get(id(self), 0)
+
+    def set_device(self, index: int) -> None:
+        _tls.device[id(self)] = self.device_index(index)
+
+    def current_stream(self, device: Any = None) -> SimStream:
+        index = self.device_index(device)
+        return _tls.stream.get((id(self), index)) or self._defaults[index]
+
+    def default_stream(self, device: Any = None) -> SimStream:
+        return self._defaults[self.device_index(device)]
+
+    def set_stream(self, stream: SimStream) -> None:
+        _tls.stream[(id(self), stream.device_index)] = stream
+
+    def new_stream(self, device: Any = None, priority: int = 0) -> SimStream:
+        stream = SimStream(self, self.device_index(device), priority)
+        with self.lock:
+            self._streams.append(stream)
+        return stream
+
+    def all_streams(self) -> list[SimStream]:
+        return [*self._defaults, *self._streams]
+
+    def enter_stream(self, stream: SimStream) -> None:
+        """``with torch.cuda.stream(s)``: ``s`` and its device are current inside."""
+        _tls.ctx.append((self.current_device(), self.current_stream(stream.device_index)))
+        self.set_device(stream.device_index)
+        self.set_stream(stream)
+
+    def exit_stream(self) -> None:
+        device, prev = _tls.ctx.pop()
+        self.set_stream(prev)
+        self.set_device(device)
+
+    # -- captures ----------------------------------------------------------------------------
+    def begin_capture(self, stream: SimStream, graph: Any) -> None:
+        with self.lock:
+            stream.capture = graph
+            self._capturing += 1
+
+    def end_capture(self, stream: SimStream, graph: Any) -> None:
+        with self.lock:
+            if stream.capture is graph:
+                stream.capture = None
+                self._capturing -= 1
+
+    def check_not_capturing(self, what: str) -> None:
+        if self._capturing:
+            raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing "
+                               f"({what} during CUDA graph capture; simulated)")
+
+    def capturing_any(self) -> bool:
+        return self._capturing > 0
+
+    # -- queue -------------------------------------------------------------------------------
+    def enqueue(self, stream: SimStream, op: Op, count: str | None = "launches") -> None:
+        """Queue ``op`` on ``stream`` (or record it into the graph capturing ``stream``)."""
+        if self.closed:
+            raise RuntimeError("a simulated CUDA tensor was used after its simulator closed")
+        if stream.sched is not self:
+            raise RuntimeError(f"{stream!r} belongs to a simulator that has closed; make "
+                               "streams inside the simulator that uses them")
+        if self.sticky_error is not None:
+            err, self.sticky_error = self.sticky_error, None
+            raise RuntimeError(f"CUDA error: {err} (a sticky error left by an earlier failed "
+                               "driver call that nobody cleared; simulated)")
+        with self.lock:
+            if count is not None:
+                setattr(self.stats, count, getattr(self.stats, count) + 1)
+            if stream.capture is not None:
+                stream.capture.ops.append(op)
+                return
+            if len(stream.queue) >= MAX_QUEUED:  # the launch queue is full: the host waits
+                self._stall(in_pinstage_call())
+                self.run_until(stream, stream.queue[0].seq)
+            stream.last += 1
+            op.stream, op.seq = stream, stream.last
+            stream.queue.append(op)
+            if self.mode == "eager":
+                self.run_until(stream, op.seq)
+            elif self.mode == "random":
+                self.maybe_progress()
+
+    def maybe_progress(self) -> None:
+        """Random mode: run a random number of ready operations, on random streams."""
+        if self.mode != "random":
+            return
+        with self.lock:
+            streams = self.all_streams()
+            pending = sum(len(s.queue) for s in streams)
+            if not pending or self.rng.random() < 0.6:
+                return  # a device usually runs behind the host: often nothing moves
+            steps = int(self.rng.integers(1, pending + 1))
+            for _ in range(steps):
+                ready = [s for s in streams if s.queue and all(
+                    d.done >= q for d, q in s.queue[0].deps)]
+                if not ready:
+                    return
+                s = ready[int(self.rng.integers(0, len(ready)))]
+                self.run_until(s, s.queue[0].seq)
+
+    def poll(self, stream: SimStream, seq: int) -> bool:
+        """A host polling ``query()``: a real device gets there eventually, so after a few
+        polls of unfinished work (counted per point), the simulator runs it."""
+        key = (id(stream), seq)
+        n = self._polls.get(key, 0) + 1
+        self._polls[key] = n
+        if n < POLLS_BEFORE_PROGRESS:
+            return False
+        self._polls.pop(key, None)
+        self.run_until(stream, seq)
+        return True
+
+    def run_until(self, stream: SimStream, seq: int) -> None:
+        """Run ``stream``'s queue up to ``seq`` (and what it waits for on other streams)."""
+        while stream.done < seq and stream.queue:
+            op = stream.queue[0]
+            for dep_stream, dep_seq in op.deps:
+                if dep_stream.done < dep_seq:
+                    self.run_until(dep_stream, dep_seq)
+            if stream.queue and stream.queue[0] is op:
+                stream.queue.popleft()
+                stream.done = op.seq
+                self._run_op(op)
+
+    def _run_op(self, op: Op) -> None:
+        """Execute one op now (its dependencies are done): check its host reads, run it."""
+        label = op.label
+        tensors = [r.check(label) for r in op.reads]
+        if op.fn is not None:
+            if _tls.running:  # a kernel cannot wait for the device
+                raise RuntimeError(f"{label}: simulated device work tried to wait for device "
+                                   "work")
+            _tls.running = True
+            try:
+                with torch._C.DisableTorchFunction():
+                    op.fn(tensors)
+            finally:
+                _tls.running = False
+        if op.host_writes:  # later reads of what this wrote can't be checked by content
+            for s in self.all_streams():
+                for later in s.queue:
+                    for r in later.reads:
+                        if r.snapshot is not None and any(
+                                r.span[0] < w[1] and w[0] < r.span[1] for w in op.host_writes):
+                            r.snapshot = None
+
+    def _stall(self, in_pinstage: bool) -> None:
+        self.stats.syncs += 1
+        if in_pinstage:
+            self.stats.host_stalls += 1
+
+    def host_wait(self, stream: SimStream, seq: int, what: str, explicit: bool = False,
+                  in_pinstage: bool | None = None) -> None:
+        """The host waits until ``stream`` has run up to ``seq``."""
+        self.check_not_capturing(what)
+        with self.lock:
+            pending = stream.done < seq
+            if in_pinstage is None:
+                in_pinstage = in_pinstage_call()
+            if pending:
+                self._stall(in_pinstage)
+            else:
+                self.stats.syncs += 1
+            self.run_until(stream, seq)
+
+    def synchronize(self, device: Any = None) -> None:
+        """Run everything queued (on ``device``, default all devices); not a host stall."""
+        self.check_not_capturing("synchronize()")
+        with self.lock:
+            self.stats.syncs += 1
+            index = None if device is None else self.device_index(device)
+            streams = [s for s in self.all_streams() if index is None or
+                       s.device_index == index]
+            while any(s.queue for s in streams):
+                for s in streams:
+                    self.run_until(s, s.last)
+
+    @property
+    def pending(self) -> int:
+        """How many queued device operations have not run yet."""
+        return sum(len(s.queue) for s in self.all_streams())
+
+    def pending_reads(self) -> list[tuple[Op, HostRead]]:
+        """Every queued op's host reads (for poisoning a destination they cover)."""
+        return [(op, r) for s in self.all_streams() for op in s.queue for r in op.reads]

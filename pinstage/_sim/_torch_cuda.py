@@ -1,5 +1,5 @@
 """``torch.cuda`` as a program sees it while a simulator is open, and the simulated driver
-pinstage's CUDA backend talks to.
+pinstage's CUDA backend talks to: the one module of stand-ins.
 
 ``install(sim)`` swaps these names into ``torch.cuda`` (and returns a function that puts the
 originals back): devices, streams, events, synchronisation, CUDA graphs and ``cudart()``.
@@ -8,24 +8,21 @@ Code that looks them up when it runs (``torch.cuda.Event()``) gets the simulated
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from ._sched import HostRead, Op, Registration, SimEvent, SimStream
+from .._errors import DriverError, HazardError
+from ._core import SimState, active
+from ._hazards import Registration
+from ._sched import Op, SimEvent, SimStream
 from ._tensor import SimTensor
-
-if TYPE_CHECKING:
-    from . import Simulator
 
 __all__ = ["SimDriver", "SimGraph", "install"]
 
 
-def _sim() -> Simulator:
-    from . import active
-
+def _sim() -> SimState:
     return active()
 
 
@@ -37,45 +34,23 @@ class _device:
         if device is None or (isinstance(device, int) and device < 0):
             self.idx = -1
         else:
-            self.idx = sim.device_index(device)
+            self.idx = sim.sched.device_index(device)
         self.prev_idx = -1
 
     def __enter__(self) -> None:
         if self.idx >= 0:
-            sim = _sim()
-            self.prev_idx = sim.current_device()
-            sim.set_device(self.idx)
+            sched = _sim().sched
+            self.prev_idx = sched.current_device()
+            sched.set_device(self.idx)
 
     def __exit__(self, *exc: Any) -> None:
         if self.idx >= 0 and self.prev_idx >= 0:
-            _sim().set_device(self.prev_idx)
+            _sim().sched.set_device(self.prev_idx)
 
 
 class _device_of(_device):
     def __init__(self, obj: Any) -> None:
         super().__init__(obj.get_device() if getattr(obj, "is_cuda", False) else -1)
-
-
-class _TlsStack(threading.local):
-    def __init__(self) -> None:
-        self.stack: list[tuple[int, SimStream]] = []
-
-
-_ctx = _TlsStack()
-
-
-def _stream_ctx_enter(stream: SimStream) -> None:
-    sim = _sim()
-    _ctx.stack.append((sim.current_device(), sim.current_stream(stream.device_index)))
-    sim.set_device(stream.device_index)
-    sim.set_stream(stream)
-
-
-def _stream_ctx_exit(stream: SimStream) -> None:
-    sim = _sim()
-    device, prev = _ctx.stack.pop()
-    sim.set_stream(prev)
-    sim.set_device(device)
 
 
 class StreamContext:
@@ -87,18 +62,15 @@ class StreamContext:
 
     def __enter__(self) -> None:
         if self.stream is not None:
-            _stream_ctx_enter(self.stream)
+            self.stream.sched.enter_stream(self.stream)
 
     def __exit__(self, *exc: Any) -> None:
         if self.stream is not None:
-            _stream_ctx_exit(self.stream)
+            self.stream.sched.exit_stream()
 
 
 def _new_stream(device: Any = None, priority: int = 0, **kwargs: Any) -> SimStream:
-    sim = _sim()
-    s = SimStream(device, priority, _sim=sim)
-    sim.register_stream(s)
-    return s
+    return _sim().sched.new_stream(device, priority)
 
 
 class _StreamType(type):
@@ -115,48 +87,61 @@ class Stream(metaclass=_StreamType):
     """``torch.cuda.Stream`` while simulated (constructing one makes a :class:`SimStream`)."""
 
 
+class _EventType(type):
+    """So that ``isinstance(e, torch.cuda.Event)`` holds for simulated events."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, SimEvent)
+
+    def __call__(cls, enable_timing: bool = False, blocking: bool = False,
+                 interprocess: bool = False, **kwargs: Any) -> Any:
+        return SimEvent(_sim().sched, enable_timing, blocking, interprocess)
+
+
+class Event(metaclass=_EventType):
+    """``torch.cuda.Event`` while simulated (constructing one makes a :class:`SimEvent`)."""
+
+
 class SimGraph:
     """``torch.cuda.CUDAGraph``: capture records device work without running it; ``replay()``
     queues it again on the current stream (host reads are checked afresh each replay)."""
 
     def __init__(self, keep_graph: bool = False) -> None:
         self._sim = _sim()
-        self._ops: list[Op] | None = None
+        self.ops: list[Op] = []
+        self._captured = False
         self._stream: SimStream | None = None
 
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
-        sim = self._sim
-        stream = sim.current_stream()
-        if stream is sim.default_stream(stream.device_index):
+        sched = self._sim.sched
+        stream = sched.current_stream()
+        if stream is sched.default_stream(stream.device_index):
             raise RuntimeError("CUDA graphs must be captured on a non-default stream. "
                                "(However, after capture, it's ok to replay them on the "
                                "default stream.)")
-        with sim.lock:
-            self._ops = []
-            self._stream = stream
-            stream._capture = self
-            sim._capturing += 1
+        self.ops = []
+        self._captured = True
+        self._stream = stream
+        sched.begin_capture(stream, self)
 
     def capture_end(self) -> None:
-        sim = self._sim
-        with sim.lock:
-            if self._stream is not None and self._stream._capture is self:
-                self._stream._capture = None
-                sim._capturing -= 1
+        if self._stream is not None:
+            self._sim.sched.end_capture(self._stream, self)
 
     def replay(self) -> None:
-        if self._ops is None:
+        if not self._captured:
             raise RuntimeError("CUDAGraph.replay() before a capture")
-        sim = self._sim
-        stream = sim.current_stream()
-        with sim.lock:
-            for op in self._ops:
-                reads = [_fresh(sim, r, op.label) for r in op.reads]
-                sim.enqueue(stream, Op(f"{op.label} (graph replay)", op.fn, reads,
-                                       host_writes=op.host_writes), None)
+        sched = self._sim.sched
+        stream = sched.current_stream()
+        with sched.lock:
+            for op in self.ops:
+                reads = [r.again(op.label) for r in op.reads]
+                sched.enqueue(stream, Op(f"{op.label} (graph replay)", op.fn, reads,
+                                         host_writes=op.host_writes), None)
 
     def reset(self) -> None:
-        self._ops = None
+        self.ops = []
+        self._captured = False
 
     def pool(self) -> tuple[int, int]:
         return (0, id(self))
@@ -166,14 +151,6 @@ class SimGraph:
 
     def debug_dump(self, path: str) -> None:
         return None
-
-
-def _fresh(sim: Simulator, r: HostRead, label: str) -> HostRead:
-    t = r.resolve(label)
-    snap = r.snapshot is not None
-    return HostRead(r.what, r.tensor, r.reg, r.layout,
-                    t.reshape(-1).contiguous().view(torch.uint8).clone() if snap and
-                    t.dtype != torch.bool else (t.clone() if snap else None), r.span)
 
 
 class graph:
@@ -202,15 +179,14 @@ class graph:
 class _Cudart:
     """``torch.cuda.cudart()``: the few runtime calls engine code makes directly."""
 
-    def __init__(self, sim: Simulator) -> None:
+    def __init__(self, sim: SimState) -> None:
         self._sim = sim
 
     def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802
         return SimDriver(self._sim).register(ptr, size)
 
     def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
-        SimDriver(self._sim).unregister(ptr)
-        return 0
+        return SimDriver(self._sim).unregister(ptr)
 
     def cudaGetErrorString(self, err: int) -> str:  # noqa: N802
         return f"simulated CUDA error {err}"
@@ -230,7 +206,7 @@ class SimDriver:
     # changes, as queued copies' sources are checked: a changed one raises HazardError
     checks_deferred_reads = True
 
-    def __init__(self, sim: Simulator) -> None:
+    def __init__(self, sim: SimState) -> None:
         self.sim = sim
 
     def register(self, ptr: int, size: int) -> int:
@@ -238,25 +214,29 @@ class SimDriver:
         failure leaves its error set, as the runtime does, until ``clear_error()``."""
         sim = self.sim
         if not sim.pin_memory:
-            sim.sticky_error = "cudaErrorNotSupported: cudaHostRegister failed"
+            sim.sched.sticky_error = "cudaErrorNotSupported: cudaHostRegister failed"
             return 801
         sim.pinned.add(ptr, ptr + max(size, 1), Registration(ptr, size))
         return 0
 
     def clear_error(self) -> None:
         """``cudaGetLastError()``: takes back the error a failed call left behind."""
-        self.sim.sticky_error = None
+        self.sim.sched.sticky_error = None
 
-    def unregister(self, ptr: int) -> None:
+    def unregister(self, ptr: int) -> int:
+        """``cudaHostUnregister``: 0, or 713 (not registered) for memory never registered."""
         owner = self.sim.pinned.remove(ptr)
         if isinstance(owner, Registration):
             owner.alive = False
+            return 0
+        self.sim.sched.sticky_error = "cudaErrorHostMemoryNotRegistered"
+        return 713
 
     def uva_view(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
         sim = self.sim
         if not sim.uva:
-            raise RuntimeError("mapping pinned host memory into the device's address space "
-                               "is not supported (the simulator was opened with uva=False)")
+            raise DriverError("mapping pinned host memory into the device's address space "
+                              "is not supported (the simulator was opened with uva=False)", 801)
         owner = sim.pinned.find(host.data_ptr()) if host.numel() else None
         if host.numel() and owner is None:
             raise ValueError("a UVA view needs pinned host memory; this tensor is pageable")
@@ -266,37 +246,42 @@ class SimDriver:
         s = self.sim
         return f"pinstage simulated CUDA device {index} ({s.mode} mode, seed {s.seed})"
 
+    def hazard(self, message: str) -> Exception:
+        return HazardError(message)
 
-def install(sim: Simulator) -> Callable[[], None]:
+
+def install(sim: SimState) -> Callable[[], None]:
     """Swap the simulated names into ``torch.cuda``; returns the undo function."""
     cuda = torch.cuda
     driver = SimDriver(sim)
     cudart = _Cudart(sim)
 
+    sched = sim.sched
+
     def synchronize(device: Any = None) -> None:
-        sim.synchronize(device)
+        sched.synchronize(device)
 
     def current_stream(device: Any = None) -> SimStream:
-        return sim.current_stream(device)
+        return sched.current_stream(device)
 
     def default_stream(device: Any = None) -> SimStream:
-        return sim.default_stream(device)
+        return sched.default_stream(device)
 
     def set_stream(stream: SimStream | None) -> None:
         if stream is not None:
-            sim.set_stream(stream)
+            sched.set_stream(stream)
 
     def is_current_stream_capturing() -> bool:
-        return sim.current_stream()._capture is not None
+        return sched.current_stream().capture is not None
 
     def set_sync_debug_mode(mode: Any) -> None:
         modes = {"default": 0, "warn": 1, "error": 2}
-        sim.sync_debug_mode = modes[mode] if isinstance(mode, str) else int(mode)
+        sched.sync_debug_mode = modes[mode] if isinstance(mode, str) else int(mode)
 
     def get_device_properties(device: Any = None) -> Any:
         from types import SimpleNamespace
 
-        index = sim.device_index(device)
+        index = sched.device_index(device)
         return SimpleNamespace(name=driver.device_name(index), major=9, minor=0,
                                total_memory=80 * 2**30, multi_processor_count=132,
                                is_integrated=False)
@@ -304,11 +289,11 @@ def install(sim: Simulator) -> Callable[[], None]:
     names: dict[str, Any] = {
         "is_available": lambda: True,
         "device_count": lambda: sim.device_count,
-        "current_device": sim.current_device,
-        "set_device": lambda device: sim.set_device(sim.device_index(device)),
+        "current_device": sched.current_device,
+        "set_device": lambda device: sched.set_device(sched.device_index(device)),
         "device": _device,
         "device_of": _device_of,
-        "get_device_name": lambda device=None: driver.device_name(sim.device_index(device)),
+        "get_device_name": lambda device=None: driver.device_name(sched.device_index(device)),
         "get_device_capability": lambda device=None: (9, 0),
         "get_device_properties": get_device_properties,
         "is_initialized": lambda: True,
@@ -316,7 +301,7 @@ def install(sim: Simulator) -> Callable[[], None]:
         "_lazy_init": lambda: None,
         "synchronize": synchronize,
         "Stream": Stream,
-        "Event": SimEvent,
+        "Event": Event,
         "current_stream": current_stream,
         "default_stream": default_stream,
         "stream": StreamContext,
@@ -327,7 +312,7 @@ def install(sim: Simulator) -> Callable[[], None]:
         "is_current_stream_capturing": is_current_stream_capturing,
         "cudart": lambda: cudart,
         "set_sync_debug_mode": set_sync_debug_mode,
-        "get_sync_debug_mode": lambda: sim.sync_debug_mode,
+        "get_sync_debug_mode": lambda: sched.sync_debug_mode,
         "empty_cache": lambda: None,
         "ipc_collect": lambda: None,
         "manual_seed": lambda seed: None,
@@ -336,7 +321,7 @@ def install(sim: Simulator) -> Callable[[], None]:
         "max_memory_allocated": lambda device=None: 0,
         "mem_get_info": lambda device=None: (70 * 2**30, 80 * 2**30),
         "is_bf16_supported": lambda *a, **k: True,
-        "_sleep": lambda cycles: sim.enqueue(sim.current_stream(), Op(
+        "_sleep": lambda cycles: sched.enqueue(sched.current_stream(), Op(
             f"spin kernel of {cycles} cycles", None)),
     }
     missing = object()

@@ -1,0 +1,408 @@
+"""What each aten op means on the simulated device: handlers registered per op (as
+PyTorch's ``fake_impls.py`` registers its rules), the defaults for views and for every other
+op, and ``sim.launch``.
+
+* views run at once (metadata only);
+* copies are host<->device transfers with CUDA's blocking rules (``_copy``, ``_h2d``,
+  ``_d2h``): a non-blocking copy from pinned memory is queued and its source snapshotted, a
+  pageable one makes the host wait;
+* every other op is shape-inferred on ``meta`` tensors (cached), given fresh (poisoned)
+  outputs, and queued on the current stream; an op whose output size depends on device values
+  makes the host wait (``_host_fallback``);
+* host reads of device values (``.item()``, ``torch.equal``, ``bool``) wait for the stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils._pytree as pytree
+
+from .._callsite import call_site
+from ._core import SimState
+from ._hazards import HostRead, poison_, span
+from ._sched import Op
+from ._tensor import (
+    Proxy,
+    devices_of,
+    empty_device,
+    inner_of,
+    is_device,
+    register_default,
+    register_op,
+    wrap,
+)
+
+__all__ = ["launch"]
+
+aten = torch.ops.aten
+
+
+def _view(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    device, proxy = devices_of(flat, allow_cpu=True)
+    base = next(x for x in flat if is_device(x))
+    a, k = pytree.tree_unflatten([inner_of(x) for x in flat], spec)
+    out = func(*a, **k)
+    return pytree.tree_map_only(torch.Tensor, lambda t: wrap(t, device, base._host, proxy), out)
+
+
+def _meta(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and (is_device(x) or x.dim() > 0):
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+    return x
+
+
+_CPU_OK = {aten.index, aten.index_put_, aten.index_put, aten._index_put_impl_}
+
+# Output shapes by (op, input shapes/strides/dtypes, other arguments): working them out on
+# meta tensors is most of the cost of a simulated op, and engines repeat the same ops.
+_META_CACHE: dict[Any, Any] = {}
+_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+            torch.memory_format)
+
+
+def _meta_key(func: Any, flat: list[Any], spec: Any) -> Any:
+    parts: list[Any] = [func, spec]
+    for x in flat:
+        if isinstance(x, torch.Tensor):
+            parts.append((tuple(x.shape), x.stride(), x.dtype, is_device(x) or x.dim() > 0))
+        elif isinstance(x, _SCALARS):
+            parts.append((type(x), x))
+        else:
+            return None
+    return tuple(parts)
+
+
+def _aliased_arg(func: Any, i: int, args: Any, kwargs: dict[str, Any]) -> Any:
+    """The argument that return ``i`` of ``func`` aliases and writes (in-place / out=), or
+    None for a fresh output."""
+    rets = func._schema.returns
+    if i >= len(rets):
+        return None
+    info = rets[i].alias_info
+    if info is None or not info.is_write:
+        return None
+    for j, arg in enumerate(func._schema.arguments):
+        ai = arg.alias_info
+        if ai is not None and ai.is_write and set(ai.before_set) & set(info.before_set):
+            if arg.name in kwargs:
+                return kwargs[arg.name]
+            if j < len(args):
+                return args[j]
+    return None
+
+
+def _written_args(func: Any, args: Any, kwargs: dict[str, Any]) -> list[Any]:
+    out: list[Any] = []
+    for j, arg in enumerate(func._schema.arguments):
+        ai = arg.alias_info
+        if ai is not None and ai.is_write:
+            v = kwargs.get(arg.name, args[j] if j < len(args) else None)
+            out.extend(x for x in pytree.tree_leaves(v) if isinstance(x, torch.Tensor))
+    return out
+
+
+def _assemble(func: Any, args: Any, kwargs: dict[str, Any], out: Any,
+              make: Callable[[int, torch.Tensor], torch.Tensor]) -> Any:
+    """The op's result: aliased returns are the argument objects, the rest ``make(i, t)``."""
+    if isinstance(out, torch.Tensor):
+        alias = _aliased_arg(func, 0, args, kwargs)
+        return alias if alias is not None else make(0, out)
+    if isinstance(out, tuple) and len(out) == len(func._schema.returns):
+        return tuple(
+            (a if (a := _aliased_arg(func, i, args, kwargs)) is not None else
+             (make(i, o) if isinstance(o, torch.Tensor) else o))
+            for i, o in enumerate(out))
+    counter = iter(range(1 << 30))
+    return pytree.tree_map_only(torch.Tensor, lambda t: make(next(counter), t), out)
+
+
+def _deferred(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    packet = func.overloadpacket
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    device, proxy = devices_of(flat, allow_cpu=packet in _CPU_OK)
+    key = _meta_key(func, flat, spec)
+    meta_out = _META_CACHE.get(key) if key is not None else None
+    if meta_out is None:
+        try:
+            ma, mk = pytree.tree_unflatten([_meta(x) for x in flat], spec)
+            meta_out = func(*ma, **mk)
+        except Exception:  # noqa: BLE001 - data-dependent output size, or no meta kernel
+            return _host_fallback(sim, func, args, kwargs, device, proxy)
+        if key is not None:
+            if len(_META_CACHE) > 4096:
+                _META_CACHE.clear()
+            _META_CACHE[key] = meta_out
+    fresh: list[tuple[int, torch.Tensor]] = []
+
+    def make(i: int, m: torch.Tensor) -> torch.Tensor:
+        inner = torch.empty_strided(m.shape, m.stride(), dtype=m.dtype)
+        if sim.mode != "eager":
+            poison_(inner)
+        fresh.append((i, inner))
+        return wrap(inner, device, None, proxy)
+
+    result = _assemble(func, args, kwargs, meta_out, make)
+    reads: list[HostRead] = []
+    inner_flat = []
+    label = f"{packet.__name__} on {device}"
+    for x in flat:
+        if is_device(x):
+            if x._host is not None:
+                reads.append(HostRead.of(sim.pinned, x._inner, "UVA view (pinned host memory) "
+                                         f"read by {packet.__name__}"))
+            inner_flat.append(x._inner)
+        elif isinstance(x, torch.Tensor):
+            inner_flat.append(x.clone())  # CPU scalars/indices: passed by value at launch
+        else:
+            inner_flat.append(x)
+    ia, ik = pytree.tree_unflatten(inner_flat, spec)
+    host_writes = [span(w._inner) for w in _written_args(func, args, kwargs)
+                   if is_device(w) and w._host is not None]
+    if reads:
+        label = call_site().describe(label)
+    seed = int(sim.sched.rng.integers(1 << 62)) if sim.mode == "random" and packet in _SCATTERS \
+        else None
+
+    def run(_: list[torch.Tensor]) -> None:
+        a, k = ia, ik
+        if seed is not None:  # positions are device values: shuffle when the kernel runs
+            a, k = _shuffle_duplicates(seed, packet, a, k)
+        out = func(*a, **k)
+        if fresh:
+            leaves = [out] if isinstance(out, torch.Tensor) else list(out) \
+                if isinstance(out, tuple) else pytree.tree_leaves(out)
+            for i, inner in fresh:
+                inner.copy_(leaves[i])
+
+    sim.sched.enqueue(sim.sched.current_stream(device),
+                      Op(label, run, reads, host_writes=host_writes))
+    return result
+
+
+_SCATTERS = {aten.scatter_, aten.scatter, aten.index_put_, aten.index_put,
+             aten._index_put_impl_}
+
+
+def _shuffle_duplicates(seed: int, packet: Any, args: Any,
+                        kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """Random mode: one scatter's writes land in a seeded shuffled order, as on a GPU (with
+    duplicate positions, which one wins is unspecified there)."""
+    rng = np.random.default_rng(seed)
+    args = list(args)
+    if packet in (aten.scatter_, aten.scatter) and len(args) >= 4 and \
+            isinstance(args[2], torch.Tensor) and args[2].dim() == 1:
+        index = args[2]
+        perm = torch.from_numpy(rng.permutation(index.numel()))
+        args[2] = index[perm]
+        if isinstance(args[3], torch.Tensor) and args[3].dim() == 1:
+            args[3] = args[3][: index.numel()][perm]
+    elif packet in (aten.index_put_, aten.index_put, aten._index_put_impl_) and len(args) >= 3:
+        indices, values = args[1], args[2]
+        accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+        idx = [i for i in indices if i is not None]
+        if not accumulate and idx and all(i.dim() == 1 and i.dtype != torch.bool and
+                                          i.numel() == idx[0].numel() for i in idx):
+            perm = torch.from_numpy(rng.permutation(idx[0].numel()))
+            args[1] = [None if i is None else i[perm] for i in indices]
+            if isinstance(values, torch.Tensor) and values.dim() >= 1 and \
+                    values.shape[0] == idx[0].numel():
+                args[2] = values[perm]
+    return tuple(args), kwargs
+
+
+def _host_fallback(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any],
+                   device: torch.device, proxy: bool) -> Any:
+    """An op whose output size depends on device values: the host waits for the stream, then
+    runs it (a host stall inside pinstage calls, as on CUDA)."""
+    stream = sim.sched.current_stream(device)
+    sim.sched.host_wait(stream, stream.last, f"{func.overloadpacket.__name__} (its output size "
+                  "depends on device values)")
+    ia, ik = pytree.tree_map(inner_of, (args, kwargs))
+    with torch._C.DisableTorchFunction():
+        out = func(*ia, **ik)
+    sim.sched.stats.launches += 1
+    return _assemble(func, args, kwargs, out,
+                     lambda i, t: wrap(t.clone() if t.device.type == "cpu" else t, device,
+                                       None, proxy))
+
+
+def _host_read(sim: SimState, x: Any, what: str) -> torch.Tensor:
+    stream = sim.sched.current_stream(x._sim_device)
+    sim.sched.host_wait(stream, stream.last, what)
+    return x._inner  # type: ignore[no-any-return]
+
+
+def _local_scalar(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    return _host_read(sim, args[0], ".item()").item()
+
+
+def _equal(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    a, b = args[0], args[1]
+    if is_device(a) and is_device(b) and a._sim_device != b._sim_device:
+        raise RuntimeError("Expected all tensors to be on the same device")
+    ia = _host_read(sim, a, "torch.equal") if is_device(a) else a
+    ib = _host_read(sim, b, "torch.equal") if is_device(b) else b
+    return torch.equal(ia, ib)
+
+
+def _is_nonzero(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    return bool(_host_read(sim, args[0], "bool(tensor)").item())
+
+
+def _noop(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    return None
+
+
+def _empty_like(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    device, proxy = devices_of(flat, allow_cpu=True)
+    ma, mk = pytree.tree_unflatten([_meta(x) for x in flat], spec)
+    m = func(*ma, **mk)
+    t = empty_device(sim, m.shape, m.dtype, device.index or 0, m.stride())
+    return Proxy(t._inner, device) if proxy else t
+
+
+def _copy(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    dst, src = args[0], args[1]
+    nb = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+    if is_device(dst) and is_device(src):  # device -> device (peer copies included)
+        stream = sim.sched.current_stream(dst._sim_device)
+        deps = []
+        if src._sim_device != dst._sim_device:
+            other = sim.sched.current_stream(src._sim_device)
+            deps.append((other, other.last))
+        reads = [HostRead.of(sim.pinned, src._inner, "UVA view read by a device copy")] \
+            if src._host is not None else []
+        d_in, s_in = dst._inner, src._inner
+        writes = [span(d_in)] if dst._host is not None else []
+        sim.sched.enqueue(stream, Op("device-to-device copy", lambda _: d_in.copy_(s_in), reads,
+                               deps=deps, host_writes=writes), "d2d_copies")
+        if deps:  # PyTorch orders a peer copy on both devices' current streams
+            other = deps[0][0]
+            sim.sched.enqueue(other, Op("wait for a peer copy", None,
+                                  deps=[(stream, stream.last)]), None)
+        return dst
+    if is_device(dst):  # host -> device
+        if not isinstance(src, torch.Tensor):
+            raise TypeError(f"copy_ source must be a tensor, got {type(src).__name__}")
+        return _h2d(sim, dst, src, nb)
+    if is_device(src):  # device -> host
+        return _d2h(sim, dst, src, nb)
+    with torch._C.DisableTorchFunction():
+        return dst.copy_(src, nb)
+
+
+def _h2d(sim: SimState, dst: Any, src: torch.Tensor, nb: bool) -> Any:
+    stream = sim.sched.current_stream(dst._sim_device)
+    d_in = dst._inner
+    writes = [span(d_in)] if dst._host is not None else []
+    if src.dim() == 0:  # a scalar passed by value (x[i] = 5): a fill kernel
+        value = src.clone()
+        sim.sched.enqueue(stream, Op("fill", lambda _: d_in.copy_(value), host_writes=writes))
+        return dst
+    pinned = sim.is_pinned(src) and src.is_contiguous()
+    if nb and pinned:  # async: the device reads the pinned source when the copy runs
+        label = call_site().describe("host-to-device copy")
+        read = HostRead.of(sim.pinned, src, "pinned host source")
+        sim.sched.enqueue(stream, Op(label, lambda rs: d_in.copy_(rs[0]), [read],
+                               host_writes=writes), "copies")
+        return dst
+    sim.sched.stats.copies += 1
+    if pinned:  # blocking copy from pinned memory: the host waits for the stream
+        sim.sched.host_wait(stream, stream.last, "a blocking host-to-device copy")
+    else:  # pageable: the driver drains the stream and copies synchronously
+        sim.sched.check_not_capturing("a host-to-device copy from pageable memory")
+        sim.sched.stats.pageable_copies += 1
+        sim.sched.stats.syncs += 1
+        sim.sched.stats.host_stalls += 1
+        sim.sched.run_until(stream, stream.last)
+    with torch._C.DisableTorchFunction():
+        d_in.copy_(src)
+    return dst
+
+
+def _d2h(sim: SimState, dst: torch.Tensor, src: Any, nb: bool) -> Any:
+    stream = sim.sched.current_stream(src._sim_device)
+    s_in = src._inner
+    if nb and sim.is_pinned(dst):  # async into pinned memory: poison until it runs
+        lo, hi = span(dst)
+        for op, r in sim.sched.pending_reads():  # queued reads run before the copy lands
+            if r.span[0] < hi and lo < r.span[1]:
+                r.freeze(op.label)
+        with torch._C.DisableTorchFunction():
+            poison_(dst)
+        read = HostRead.of(sim.pinned, dst, "destination of a device-to-host copy (written by the "
+                           "host before the copy ran)")
+        label = call_site().describe("device-to-host copy")
+        sim.sched.enqueue(stream, Op(label, lambda rs: rs[0].copy_(s_in), [read],
+                               host_writes=[span(dst)]), "d2h_copies")
+        return dst
+    sim.sched.stats.d2h_copies += 1
+    sim.sched.host_wait(stream, stream.last, "a device-to-host copy")
+    with torch._C.DisableTorchFunction():
+        dst.copy_(s_in)
+    return dst
+
+
+def _to_copy(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    x = args[0]
+    device = kwargs.get("device")
+    dtype = kwargs.get("dtype") or x.dtype
+    nb = bool(kwargs.get("non_blocking", False))
+    if device is not None:
+        device = torch.device(device)
+        if device.type == "cpu":
+            out = sim.pinned_empty(tuple(x.shape), dtype) if nb and sim.pin_memory else \
+                torch.empty(tuple(x.shape), dtype=dtype, device="cpu")
+            return _d2h(sim, out, x, nb)
+        if device.type == "cuda" and sim.sched.device_index(device) != x._sim_device.index:
+            dst = empty_device(sim, x.shape, dtype, sim.sched.device_index(device))
+            return _copy(sim, aten.copy_.default, (dst, x, nb), {})
+    kw = {k: v for k, v in kwargs.items() if k not in ("device", "non_blocking", "pin_memory")}
+    return _deferred(sim, func, args, kw)
+
+
+register_op(aten.copy_)(_copy)
+register_op(aten._to_copy)(_to_copy)
+register_op(aten._local_scalar_dense)(_local_scalar)
+register_op(aten.equal)(_equal)
+register_op(aten.is_nonzero)(_is_nonzero)
+register_op(aten.record_stream)(_noop)
+register_op(aten.empty_like, aten.new_empty, aten.new_empty_strided)(_empty_like)
+register_default("view")(_view)
+register_default("op")(_deferred)
+
+
+def launch(sim: SimState, fn: Callable[..., Any], args: Any, kwargs: dict[str, Any],
+           writes: tuple[Any, ...]) -> None:
+    """``sim.launch``: ``fn`` queued as one kernel; device tensors reach it as their memory."""
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    devices = [x for x in flat if is_device(x)]
+    device = devices[0]._sim_device if devices else \
+        torch.device("cuda", sim.sched.current_device())
+    name = getattr(fn, "__name__", "kernel")
+    reads: list[HostRead] = []
+    inner = []
+    x: Any
+    for x in flat:
+        host = isinstance(x, torch.Tensor) and (
+            (is_device(x) and getattr(x, "_host", None) is not None) or
+            (not is_device(x) and sim.is_pinned(x)))
+        if host and not any(x is w for w in writes):
+            reads.append(HostRead.of(sim.pinned, inner_of(x), f"input of kernel {name} in host "
+                                                       "memory"))
+        inner.append(inner_of(x))
+    a, k = pytree.tree_unflatten(inner, spec)
+    host_writes = [span(inner_of(w)) for w in writes if isinstance(w, torch.Tensor) and (
+        (is_device(w) and getattr(w, "_host", None) is not None) or
+        (not is_device(w) and sim.is_pinned(w)))]
+    label = call_site().describe(f"kernel {name}")
+    sim.sched.enqueue(sim.sched.current_stream(device), Op(label, lambda _: fn(*a, **k), reads,
+                                               host_writes=host_writes))
+
+
