@@ -20,7 +20,7 @@ import os
 import threading
 import weakref
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
 import torch
@@ -192,6 +192,20 @@ class _Block:
         return None
 
 
+class _Growth:
+    """A thread's claim to grow the arena (weakly held by the arena: it ends with the frame
+    that holds it, whatever interrupts that frame)."""
+
+    __slots__ = ("size", "__weakref__")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+
+def _NO_GROWER() -> _Growth | None:  # noqa: N802 - stands in for a dead weak reference
+    return None
+
+
 class _FenceBatch:
     """Regions released on one stream and not fenced yet."""
 
@@ -229,6 +243,7 @@ class StagingArena:
         self._waiters: deque[Any] = deque()
         self._batches: dict[Any, _FenceBatch] = {}  # stream -> released regions not fenced yet
         self._abandoned: deque[_Claim] = deque()
+        self._grower: Callable[[], _Growth | None] = _NO_GROWER  # the thread growing it
 
     @property
     def state(self) -> ArenaHost:
@@ -267,6 +282,7 @@ class StagingArena:
                              f"of {self.limit} bytes; stage it in pieces")
         me = _get_ident()
         while True:
+            grow: _Growth | None = None
             with self._lock:
                 if self._abandoned:
                     self._release_abandoned()
@@ -274,13 +290,25 @@ class StagingArena:
                 if region is None:
                     self._reclaim()
                     region = self._try_alloc(n, nbytes, holder, me)
-                    if region is None and self._grow(n):
-                        region = self._try_alloc(n, nbytes, holder, me)
                 if region is not None:
+                    if len(self._blocks) > 1:
+                        self._reclaim()  # give retired blocks back as soon as they drain
                     return region
-                event = self._wait_for_room(me)
-            # The lock is not held while this thread waits.
-            if type(event) is _Wake:  # for another thread to release what it fills
+                size = self._growth(n)
+                if size and self._grower() is None:
+                    grow = _Growth(size)  # this thread grows the arena, outside the lock
+                    self._grower = weakref.ref(grow)
+                    event: Any = None
+                elif size:  # another thread is growing it: wait for that
+                    wake = _Wake()
+                    self._waiters.append(wake.lock)
+                    event = wake
+                else:
+                    event = self._wait_for_room(me)
+            # The lock is not held from here on: this thread waits, or pins new memory.
+            if grow is not None:
+                self._grow(grow)
+            elif type(event) is _Wake:  # for another thread to release or grow
                 event.lock.acquire(timeout=WAIT_SLICE_S)
             elif event is not None:  # for the device
                 self.host.wait(event)
@@ -404,22 +432,36 @@ class StagingArena:
             if not block.live and block is not self._blocks[-1]:
                 self._blocks.remove(block)  # retired and drained: its memory goes back
 
-    def _grow(self, n: int) -> bool:
+    def _growth(self, n: int) -> int:
+        """The size of a new block that would hold ``n`` bytes within the limit, or 0 (caller
+        holds the lock)."""
         current = self._blocks[-1].size if self._blocks else 0
-        size = max(self.initial, current * 2, n)
-        size = min(size, self.limit)
+        size = min(max(self.initial, current * 2, n), self.limit)
         if size < n:
-            return False
+            return 0
         in_other = sum(b.size for b in self._blocks if b.live)
-        if in_other + size > self.limit:
-            return False
-        # Pinning under the lock: growth happens a few times per process, and an interrupt
-        # here leaves nothing half-done (an unused new block is simply dropped).
-        tensor = self.host.alloc_pinned(size, in_use=False)
-        if self._blocks and not self._blocks[-1].live:
-            self._blocks.pop()
-        self._blocks.append(_Block(tensor))
-        return True
+        return 0 if in_other + size > self.limit else size
+
+    def _grow(self, growth: _Growth) -> None:
+        """Pin a new block of ``growth.size`` bytes (pre-faulted and registered outside the
+        lock: every other thread's staging goes on meanwhile) and make it the current one.
+        One thread grows at a time; one interrupted midway simply leaves the arena as it was
+        (its ``_Growth`` dies with its frame, which ends the claim)."""
+        try:
+            tensor = self.host.alloc_pinned(growth.size, in_use=False)
+        except BaseException:
+            with self._lock:
+                self._grower = _NO_GROWER
+                self._notify_all()
+            raise
+        with self._lock:
+            self._grower = _NO_GROWER
+            in_other = sum(b.size for b in self._blocks if b.live)
+            if in_other + growth.size <= self.limit:  # (still within it: install)
+                if self._blocks and not self._blocks[-1].live:
+                    self._blocks.pop()
+                self._blocks.append(_Block(tensor))
+            self._notify_all()
 
     def _wait_for_room(self, me: int) -> Any:
         """What to wait for, with the lock released, until the oldest region may free up

@@ -153,18 +153,30 @@ class CpuGpuBuffer:
         self.np = self.cpu.numpy() if with_numpy else None
         self._pinned = pinned  # known once: no is_pinned() driver query per copy
         self._prefix = _Prefixes(self.cpu, self.gpu)
+        self._state = device_state(backend) if pinned else None
+        self._ptr = self.cpu.data_ptr()
 
     def copy_to_gpu(self, n: int | None = None) -> torch.Tensor:
         """Enqueue ``.cpu[:n] -> .gpu[:n]``; returns ``.gpu[:n]``."""
         cpu, gpu = self._prefix.get(_check_n(n, self.cpu.shape[0]))
+        if self._state is not None:
+            self._check_memory()
+            self._state.note_reader()  # pinned memory read on this stream: fenced there too
         self._backend.copy_h2d(gpu, cpu, pinned=self._pinned)  # host -> device
         return gpu
 
     def copy_to_cpu(self, n: int | None = None) -> torch.Tensor:
         """Enqueue ``.gpu[:n] -> .cpu[:n]``; returns ``.cpu[:n]``, valid after a synchronize."""
         cpu, gpu = self._prefix.get(_check_n(n, self.cpu.shape[0]))
+        if self._state is not None:
+            self._check_memory()
+            self._state.note_reader()
         self._backend.copy_d2h(cpu, gpu)  # device -> host
         return cpu
+
+    def _check_memory(self) -> None:
+        if self.cpu.data_ptr() != self._ptr:
+            raise _moved("CpuGpuBuffer")
 
 
 class UvaBuffer:
@@ -195,10 +207,18 @@ class UvaBuffer:
         with torch.inference_mode(False):
             self._view = backend.uva_view(self.cpu)
         self._prefix = _Prefixes(self._view)
+        self._state = device_state(backend) if backend.accelerator else None
+        self._ptr = self.cpu.data_ptr()
 
     def uva(self, n: int | None = None) -> torch.Tensor:
-        """The device view of ``.cpu[:n]``."""
-        return self._prefix.get(_check_n(n, self.cpu.shape[0]))[0]
+        """The device view of ``.cpu[:n]`` (the device reads it on the stream current now,
+        where its kernels are queued: dropped memory is fenced there too)."""
+        view = self._prefix.get(_check_n(n, self.cpu.shape[0]))[0]
+        if self._state is not None:
+            if self.cpu.data_ptr() != self._ptr:
+                raise _moved("UvaBuffer")
+            self._state.note_reader()
+        return view
 
 
 def _wrap_pinned(backend: Backend, cpu: Any, shape: tuple[int, ...],
@@ -249,6 +269,14 @@ class NonUvaBuffer:
         finally:
             self._busy.release()
         return dev
+
+
+def _moved(what: str) -> ValueError:
+    return ValueError(
+        f"this {what}'s .cpu no longer uses the pinned memory it was made with: its storage "
+        "was moved (share_memory_(), or torch.multiprocessing sending it to another process, "
+        "copies it into shared pageable memory), so .cpu, .np and the device view disagree. "
+        "Don't share pinstage buffers between processes; send a copy (t.clone()) instead")
 
 
 def _busy_error(what: str) -> BusyError:
@@ -319,6 +347,7 @@ class UvaBufferPool:
         refuse_capture(backend, "UvaBufferPool")
         ring = self._ring()
         state = self._state
+        state.collect()  # cheap when nothing was dropped: dropped slots go back once read
         if ring.last is not None:  # fence the previous hand-out's readers, on their stream
             ring.events[ring.last] = state.fence(ring.last_stream)
         curr = ring.curr = (ring.curr + 1) % self.max_concurrency

@@ -242,7 +242,9 @@ def np_to_pinned_tensor(array: np.ndarray) -> torch.Tensor:
     if not src.nbytes:
         return torch.empty(src.shape, dtype=src.dtype, device=_CPU)
     refuse_capture(backend, "np_to_pinned_tensor")
-    mem = device_state(backend).pinned_copy_memory(src.nbytes)  # pooled: pins only if no slab fits
+    # pooled: pins only when no slab fits; its fences cover every device (a copy to any of
+    # them may read it: the memory is registered portable)
+    mem = device_state(backend).pinned_copy_memory(src.nbytes)
     mem_np = mem.numpy()
     src.write_into(mem, mem_np, 0)
     return _typed_host(mem_np, mem, 0, src.nbytes, src.dtype, src.shape)

@@ -8,7 +8,7 @@ device type pinstage has no accelerator backend for.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -71,6 +71,9 @@ class CpuBackend(SyncDevice, Backend):
         return None  # everything is finished when a call returns
 
     def is_capturing(self) -> bool:
+        return False
+
+    def capture_underway(self, streams: Iterable[Any]) -> bool:
         return False
 
     def deferred_read_changed(self, message: str) -> Exception:
@@ -136,6 +139,9 @@ class GenericBackend(SyncDevice, Backend):
             sync()
 
     def is_capturing(self) -> bool:
+        return False
+
+    def capture_underway(self, streams: Iterable[Any]) -> bool:
         return False
 
     def deferred_read_changed(self, message: str) -> Exception:

@@ -18,7 +18,7 @@ simulated CUDA supplies its own, so this module's code runs unchanged in CPU-onl
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -86,6 +86,15 @@ class _Runtime:
             raise DriverError(f"the runtime library has no {name}") from None
         fn.restype = ctypes.c_int
         fn()
+
+    def stream_is_capturing(self, stream: int) -> bool:
+        name = "hipStreamIsCapturing" if self.rocm else "cudaStreamIsCapturing"
+        fn = getattr(self.lib, name, None)
+        if fn is None:
+            return False
+        status = ctypes.c_int(0)
+        err = fn(ctypes.c_void_p(stream), ctypes.byref(status))
+        return err == 0 and status.value != 0  # 0: cudaStreamCaptureStatusNone
 
     def device_pointer(self, host_ptr: int) -> int:
         out = ctypes.c_void_p()
@@ -157,6 +166,19 @@ class CudaDriver:
 
     def device_name(self, index: int) -> str:
         return str(torch.cuda.get_device_name(index))
+
+    def capture_underway(self, streams: Iterable[Any]) -> bool:
+        """Whether any of ``streams`` is capturing (``cudaStreamIsCapturing``, legal during a
+        capture). Captures on streams pinstage never used cannot be seen from here."""
+        try:
+            runtime = _get_runtime()
+        except DriverError:
+            return False
+        for s in streams:
+            handle = getattr(s, "cuda_stream", None)
+            if handle is not None and runtime.stream_is_capturing(int(handle)):
+                return True
+        return False
 
     def hazard(self, message: str) -> Exception:
         return RuntimeError(message)
@@ -307,6 +329,11 @@ class CudaBackend(Backend):
             return bool(torch.cuda.is_current_stream_capturing())
         except RuntimeError:  # a torch build without CUDA graphs
             return False
+
+    def capture_underway(self, streams: Iterable[Stream]) -> bool:
+        if self.is_capturing():
+            return True
+        return bool(self.driver.capture_underway(streams))
 
     def deferred_read_changed(self, message: str) -> Exception:
         return self.driver.hazard(message)  # type: ignore[no-any-return]

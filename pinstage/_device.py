@@ -20,7 +20,7 @@ none of them.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,6 +173,14 @@ class Backend(abc.ABC):
     def is_capturing(self) -> bool:
         """Whether the current stream is capturing a CUDA graph (then staging through
         recycled memory must be refused: a replay would read whatever is there later)."""
+
+    @abc.abstractmethod
+    def capture_underway(self, streams: Iterable[Stream]) -> bool:
+        """Whether a graph capture that forbids event queries, event records and host-memory
+        registration may be under way on this device: on the current stream, on ``streams``
+        (those pinstage used), or (where the driver can tell) in any thread. Housekeeping
+        (collecting parked memory, reclaiming staging) waits while it is: in CUDA's default
+        "global" capture mode such a call from any thread invalidates the capture."""
 
     # -- streams and raw events --------------------------------------------------------------
     @abc.abstractmethod

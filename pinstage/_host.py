@@ -39,6 +39,9 @@ __all__ = ["HostRegion", "Counters", "TOTALS", "Parking", "PinnedPool", "Lease",
 PAGE = mmap.PAGESIZE
 ALIGN = 64  # every staging region starts on a 64-byte boundary (enough for any dtype)
 POOL_KEEP_BYTES = 64 * 2**20  # free pinned bytes np_to_pinned_tensor's pool keeps per device
+# Pages are faulted in when mapped (Linux), before the driver registers them: registering
+# memory whose pages are already present holds the driver's lock for less time.
+_MAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
 
 
 class _Lock:
@@ -161,8 +164,9 @@ class HostRegion:
         self.drop_stream: Any = None
         if page_aligned:
             self.size = max(PAGE, (self.nbytes + PAGE - 1) // PAGE * PAGE)
-            # zero-filled, page-aligned, private: a forked child gets copy-on-write pages
-            self._mm = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            # zero-filled, page-aligned, private (a forked child gets copy-on-write pages),
+            # pre-faulted
+            self._mm = mmap.mmap(-1, self.size, flags=_MAP_FLAGS)
             view = ctypes.c_char.from_buffer(self._mm)
             self.ptr = ctypes.addressof(view)
             del view  # release the buffer export so the mapping can be closed later
@@ -245,6 +249,7 @@ class Lease:
 
     __slots__ = ("slab", "nbytes", "pool", "drop_stream", "__array_interface__", "_gen",
                  "__weakref__")
+    portable = True  # handed to the caller, who may copy it to any device
 
     def __init__(self, slab: torch.Tensor, nbytes: int, pool: PinnedPool) -> None:
         self.slab = slab

@@ -92,6 +92,11 @@ def pop_provider(device_type: str, provider: Provider) -> None:
     _RESOLVED.clear()
 
 
+def forget_resolved() -> None:
+    """Resolve every device afresh (in a forked child a provider may have become unusable)."""
+    _RESOLVED.clear()
+
+
 def push_tensor_facts(facts: TensorFacts) -> None:
     _FACTS.append(facts)
 

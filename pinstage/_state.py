@@ -30,8 +30,9 @@ import torch
 
 from ._arena import StagingArena, staging_limit
 from ._device import DONE, AllOf, Backend, Event, Fence, Probe
+from ._errors import CaptureError
 from ._host import GEN, LOCK, TOTALS, Counters, HostRegion, Parking, PinnedPool
-from ._registry import get_backend
+from ._registry import forget_resolved, get_backend
 
 __all__ = ["DeviceState", "device_state", "host_memory_stats", "on_fork_child", "all_states",
            "EventFence"]
@@ -152,9 +153,22 @@ class DeviceState:
         """A zero-filled uint8 host tensor of exactly ``nbytes``, pinned for this device.
         When dropped, it goes back only after the device work queued to read it is done."""
         backend = self._live_backend()
+        if backend.asynchronous and backend.capture_underway(list(self.streams)):
+            raise CaptureError(
+                f"pinned host memory cannot be registered for {self.device} while a CUDA graph "
+                "is being captured (in CUDA's default 'global' capture mode that invalidates "
+                "the capture): make buffers and pools before capturing")
+        self.collect()  # cheap when nothing was dropped: give back what the device is done with
         region = HostRegion(nbytes, pin=backend.register_host, unpin=backend.unregister_host,
                             in_use=in_use, account=self.stats, parking=self.parking)
         return region.as_tensor()
+
+    def capture_underway(self) -> bool:
+        """Whether housekeeping must wait: a capture that forbids event records and queries
+        may be under way on this device (see ``Backend.capture_underway``)."""
+        backend = self.backend
+        return backend is not None and backend.asynchronous and \
+            backend.capture_underway(list(self.streams))
 
     def arena(self) -> StagingArena:
         """This device's pinned staging arena, made on first use."""
@@ -218,6 +232,18 @@ class DeviceState:
         if len(streams) > MAX_STREAMS:
             del streams[next(iter(streams))]
 
+    def note_reader(self) -> None:
+        """The device is about to read pinstage memory on the current stream (a buffer's
+        copy, a UVA view handed out): dropped memory is fenced on that stream too. Cheap when
+        the stream is known already."""
+        backend = self._backend()
+        if backend is None or not self.asynchronous:
+            return
+        stream = backend.current_stream()
+        if stream not in self.streams:
+            with LOCK.lock:
+                self.note_stream(stream)
+
     def wait(self, fence: Fence) -> None:
         """The host waits for ``fence``; counted as a stall when the work was not done."""
         if not fence.done():
@@ -228,8 +254,8 @@ class DeviceState:
     def collect(self) -> None:
         """Fence newly dropped memory; give back what the device has finished reading."""
         dead = self.parking.dead
-        if not (dead or self.parked):
-            return
+        if not (dead or self.parked) or self.capture_underway():
+            return  # (nothing to do, or no event may be recorded or queried now)
         finished = []
         with LOCK.lock:
             while dead:
@@ -251,7 +277,16 @@ class DeviceState:
         if self.backend is None:
             return DONE
         streams = [item.drop_stream] if item.drop_stream is not None else []
-        return self.fence_streams([*streams, *self.streams])
+        fence = self.fence_streams([*streams, *self.streams])
+        if not getattr(item, "portable", False):
+            return fence
+        others = [fence]  # any device may have read it: fence every other device too
+        for state in all_states():
+            backend = state.backend
+            if state is not self and backend is not None and state.asynchronous and \
+                    not state.capture_underway():
+                others.append(state.fence_streams([backend.current_stream(), *state.streams]))
+        return AllOf(others)
 
     def pending(self) -> list[Any]:
         """What is dropped or parked now (to pass to ``release_synced`` after a full sync)."""
@@ -277,6 +312,8 @@ class DeviceState:
 
     def drain(self) -> None:
         """Fence released staging regions, take back finished ones, collect parked memory."""
+        if self.capture_underway():
+            return  # no event may be recorded or queried now: the next call does it
         for arena in self.arenas():
             arena.drain()
         self.collect()
@@ -364,6 +401,7 @@ def _after_fork_in_child() -> None:
     LOCK.reset()
     GEN[0] += 1
     TOTALS.reset()
+    forget_resolved()
     _GRAVEYARD.extend(list(_EVENTS))
     for state in all_states():
         state.reset_after_fork()

@@ -13,7 +13,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -154,6 +154,9 @@ class AsyncDevice(Backend):
             s.wait(target)
 
     def is_capturing(self) -> bool:
+        return False
+
+    def capture_underway(self, streams: Iterable[Any]) -> bool:
         return False
 
     def deferred_read_changed(self, message: str) -> Exception:

@@ -481,10 +481,34 @@ def test_fork_while_threads_upload_on_the_simulator(monkeypatch):
             while not stop.is_set():
                 _upload_target(sim.device, rng, 16384)
 
+        parent = [True]
+
         def child() -> bool:
+            """In the parent (the warm-up) the simulated CUDA works; in a forked child it is
+            in a bad fork, as CUDA is: its calls raise, pinstage says why and works on the
+            CPU target."""
             data = np.arange(100)
-            out = pinstage.async_tensor_h2d(data, sim.device)
-            sim.synchronize()
-            return bool(np.array_equal(out.cpu().numpy(), data))
+            if parent[0]:
+                parent[0] = False
+                out = pinstage.async_tensor_h2d(data, sim.device)
+                sim.synchronize()
+                return bool(np.array_equal(out.cpu().numpy(), data))
+            try:
+                torch.cuda.current_stream()
+            except RuntimeError as exc:
+                if "forked subprocess" not in str(exc):
+                    return False
+            else:
+                return False
+            try:
+                pinstage.async_tensor_h2d(data, "cuda")
+            except pinstage.UnavailableError as exc:
+                if "forked" not in str(exc):
+                    return False
+            else:
+                return False
+            target = pinstage.capabilities().device  # the default target: the CPU now
+            out = pinstage.async_tensor_h2d(data, target)
+            return target.type == "cpu" and bool(np.array_equal(out.numpy(), data))
 
         _fork_while(hammer, child)

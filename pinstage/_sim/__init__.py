@@ -81,6 +81,10 @@ class _Provider:
         self.sim = sim
 
     def why_unavailable(self, device_type: str) -> str | None:
+        if self.sim.sched.bad_fork:
+            return ("this process was forked after the (simulated) CUDA was used in its "
+                    "parent, and CUDA cannot be used in such a child (use the 'spawn' start "
+                    "method)")
         return None
 
     def current_device(self) -> torch.device:
@@ -113,7 +117,7 @@ def _after_fork_in_child() -> None:
     the locks it held are made anew (its half-run operation is simply not run)."""
     sim = current()
     if sim is not None:
-        sim.sched.reset_lock()
+        sim.sched.after_fork_in_child()
         sim.pinned.reset_lock()
 
 

@@ -312,11 +312,17 @@ def _h2d(sim: SimState, dst: Any, src: torch.Tensor, nb: bool) -> Any:
         sim.sched.enqueue(stream, Op(label, lambda rs: d_in.copy_(rs[0]), [read],
                                host_writes=writes), "copies")
         return dst
+    if stream.capture is not None:
+        raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture "
+                           "unless the CPU tensor is pinned.")
     sim.sched.stats.copies += 1
     if pinned:  # blocking copy from pinned memory: the host waits for the stream
         sim.sched.host_wait(stream, stream.last, "a blocking host-to-device copy")
     else:  # pageable: the driver drains the stream and copies synchronously
+        sim.sched.check_usable()
         sim.sched.check_not_capturing("a host-to-device copy from pageable memory")
+        if not nb and sim.sched.sync_debug_mode:  # (torch does not flag non_blocking ones)
+            sim.sched.sync_debug("a blocking host-to-device copy")
         sim.sched.stats.pageable_copies += 1
         sim.sched.stats.syncs += 1
         sim.sched.stats.host_stalls += 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import warnings
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +31,10 @@ __all__ = ["Op", "SimStream", "SimEvent", "SimStats", "Scheduler", "MAX_QUEUED",
 
 MODES = ("eager", "lazy", "random")
 MAX_QUEUED = 1024  # per stream, like a GPU's launch queue: one more makes the host wait
+CAPTURE_MODES = ("global", "thread_local", "relaxed")
+BAD_FORK = ("Cannot re-initialize CUDA in forked subprocess. To use CUDA with "
+            "multiprocessing, you must use the 'spawn' start method")
+SYNC_MESSAGE = "called a synchronizing CUDA operation"
 POLLS_BEFORE_PROGRESS = 16  # query() calls on unfinished work before the device "catches up"
 
 
@@ -114,7 +119,7 @@ class SimStream:
             return True
 
     def synchronize(self) -> None:
-        self.sched.host_wait(self, self.last, "Stream.synchronize()", explicit=True)
+        self.sched.host_wait(self, self.last, "Stream.synchronize()")
 
     def __eq__(self, other: object) -> bool:
         return self is other
@@ -163,9 +168,11 @@ class SimEvent:
 
     def query(self) -> bool:
         sched = self.sched
-        if self.captured or sched.capturing_any():
+        if self.captured:
             raise RuntimeError("CUDA error: operation not permitted when stream is capturing "
-                               "(Event.query() during CUDA graph capture; simulated)")
+                               "(Event.query() of an event recorded during CUDA graph capture; "
+                               "simulated)")
+        sched.check_not_capturing("Event.query()")
         stream = self.stream
         if stream is None:
             return True
@@ -178,7 +185,8 @@ class SimEvent:
     def synchronize(self) -> None:
         if self.stream is None:
             return
-        self.sched.host_wait(self.stream, self.seq, "Event.synchronize()", explicit=True)
+        # (torch's sync debug mode does not see event synchronizations)
+        self.sched.host_wait(self.stream, self.seq, "Event.synchronize()", sync_debug=False)
 
     def wait(self, stream: SimStream | None = None) -> None:
         stream = stream if stream is not None else self.sched.current_stream()
@@ -221,17 +229,32 @@ class Scheduler:
         self.lock = threading.RLock()
         self.closed = False
         self.sticky_error: str | None = None  # a failed driver call's error, until cleared
-        self.sync_debug_mode = 0
+        self.sync_debug_mode = 0  # torch.cuda.set_sync_debug_mode: 0 off, 1 warn, 2 error
+        self.used = False  # CUDA "initialised": a forked child is then in a bad fork
+        self.bad_fork = False
         self.rng = np.random.default_rng(seed)
         self._ids = itertools.count(1)
         self._streams: list[SimStream] = []
         self._defaults = [SimStream(self, i) for i in range(device_count)]
-        self._capturing = 0
+        self._captures: dict[int, tuple[int, str]] = {}  # id(graph) -> (thread, mode)
+        self._invalidated: dict[int, str] = {}  # id(graph) -> what invalidated its capture
         self._polls: dict[tuple[int, int], int] = {}
 
     def reset_lock(self) -> None:
         """In a forked child: the thread that held the lock is gone."""
         self.lock = threading.RLock()
+
+    def after_fork_in_child(self) -> None:
+        """A child forked after the simulated CUDA was used is in a bad fork, as with CUDA:
+        every CUDA call there raises (its parent's queues are not the child's)."""
+        self.reset_lock()
+        if self.used:
+            self.bad_fork = True
+
+    def check_usable(self) -> None:
+        """``RuntimeError`` as torch raises it in a forked child of a CUDA process."""
+        if self.bad_fork:
+            raise RuntimeError(BAD_FORK)
 
     # -- devices and streams -----------------------------------------------------------------
     def new_stream_id(self) -> int:
@@ -264,6 +287,9 @@ class Scheduler:
         _tls.device[id(self)] = self.device_index(index)
 
     def current_stream(self, device: Any = None) -> SimStream:
+        if self.bad_fork:
+            raise RuntimeError(BAD_FORK)
+        self.used = True
         index = self.device_index(device)
         return _tls.stream.get((id(self), index)) or self._defaults[index]
 
@@ -274,6 +300,8 @@ class Scheduler:
         _tls.stream[(id(self), stream.device_index)] = stream
 
     def new_stream(self, device: Any = None, priority: int = 0) -> SimStream:
+        self.check_usable()
+        self.used = True
         stream = SimStream(self, self.device_index(device), priority)
         with self.lock:
             self._streams.append(stream)
@@ -294,30 +322,68 @@ class Scheduler:
         self.set_device(device)
 
     # -- captures ----------------------------------------------------------------------------
-    def begin_capture(self, stream: SimStream, graph: Any) -> None:
+    def begin_capture(self, stream: SimStream, graph: Any, mode: str = "global") -> None:
+        if mode not in CAPTURE_MODES:
+            raise RuntimeError(f"Unknown capture error mode. Expected `global`, "
+                               f"`thread_local`, or `relaxed`, got `{mode}`")
         with self.lock:
             stream.capture = graph
-            self._capturing += 1
+            self._captures[id(graph)] = (threading.get_ident(), mode)
 
     def end_capture(self, stream: SimStream, graph: Any) -> None:
         with self.lock:
             if stream.capture is graph:
                 stream.capture = None
-                self._capturing -= 1
+                self._captures.pop(id(graph), None)
+            why = self._invalidated.pop(id(graph), None)
+        if why is not None:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during "
+                               f"capture (cudaErrorStreamCaptureInvalidated: {why}; simulated)")
+
+    def prohibits_unsafe(self) -> bool:
+        """Whether "potentially unsafe" calls (event queries and synchronizations, stream
+        synchronizations, host-memory registration) are prohibited in the calling thread, by
+        CUDA's rule: a capture in ``global`` mode by any thread, or a non-``relaxed`` capture
+        by this thread."""
+        if not self._captures:
+            return False
+        me = threading.get_ident()
+        return any(mode == "global" or (thread == me and mode == "thread_local")
+                   for thread, mode in list(self._captures.values()))
 
     def check_not_capturing(self, what: str) -> None:
-        if self._capturing:
+        """``RuntimeError`` for a "potentially unsafe" call now; as on CUDA, it also
+        invalidates the captures that prohibited it (their ``capture_end`` raises)."""
+        if self.prohibits_unsafe():
+            me = threading.get_ident()
+            for key, (thread, mode) in list(self._captures.items()):
+                if mode == "global" or (thread == me and mode == "thread_local"):
+                    self._invalidated.setdefault(key, f"{what} from another thread" if
+                                                 thread != me else what)
             raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing "
                                f"({what} during CUDA graph capture; simulated)")
 
     def capturing_any(self) -> bool:
-        return self._capturing > 0
+        return bool(self._captures)
+
+    # -- torch.cuda.set_sync_debug_mode --------------------------------------------------------
+    def sync_debug(self, what: str) -> None:
+        """A synchronizing operation under ``set_sync_debug_mode``: warn or raise, as torch
+        does (``Event.synchronize()`` and ``torch.cuda.synchronize()`` are not flagged)."""
+        mode = self.sync_debug_mode
+        if mode == 1:
+            warnings.warn(f"{SYNC_MESSAGE} ({what}; simulated)", UserWarning, stacklevel=4)
+        elif mode >= 2:
+            raise RuntimeError(f"{SYNC_MESSAGE} ({what}; simulated)")
 
     # -- queue -------------------------------------------------------------------------------
     def enqueue(self, stream: SimStream, op: Op, count: str | None = "launches") -> None:
         """Queue ``op`` on ``stream`` (or record it into the graph capturing ``stream``)."""
         if self.closed:
             raise RuntimeError("a simulated CUDA tensor was used after its simulator closed")
+        if self.bad_fork:
+            raise RuntimeError(BAD_FORK)
+        self.used = True
         if stream.sched is not self:
             raise RuntimeError(f"{stream!r} belongs to a simulator that has closed; make "
                                "streams inside the simulator that uses them")
@@ -411,10 +477,14 @@ class Scheduler:
         if in_pinstage:
             self.stats.host_stalls += 1
 
-    def host_wait(self, stream: SimStream, seq: int, what: str, explicit: bool = False,
+    def host_wait(self, stream: SimStream, seq: int, what: str, sync_debug: bool = True,
                   in_pinstage: bool | None = None) -> None:
-        """The host waits until ``stream`` has run up to ``seq``."""
+        """The host waits until ``stream`` has run up to ``seq``; ``sync_debug``: torch's
+        sync debug mode flags this kind of wait."""
+        self.check_usable()
         self.check_not_capturing(what)
+        if sync_debug and self.sync_debug_mode:
+            self.sync_debug(what)
         with self.lock:
             pending = stream.done < seq
             if in_pinstage is None:
@@ -427,6 +497,7 @@ class Scheduler:
 
     def synchronize(self, device: Any = None) -> None:
         """Run everything queued (on ``device``, default all devices); not a host stall."""
+        self.check_usable()
         self.check_not_capturing("synchronize()")
         with self.lock:
             self.stats.syncs += 1

@@ -122,7 +122,7 @@ class SimGraph:
         self.ops = []
         self._captured = True
         self._stream = stream
-        sched.begin_capture(stream, self)
+        sched.begin_capture(stream, self, capture_error_mode)
 
     def capture_end(self) -> None:
         if self._stream is not None:
@@ -213,6 +213,15 @@ class SimDriver:
         """``cudaHostRegister``: 0, or 801 (not supported) when the simulator cannot pin; a
         failure leaves its error set, as the runtime does, until ``clear_error()``."""
         sim = self.sim
+        sim.sched.check_usable()
+        if sim.sched.prohibits_unsafe():  # and on CUDA the capture is invalidated
+            try:
+                sim.sched.check_not_capturing("cudaHostRegister")
+            except RuntimeError:
+                pass
+            sim.sched.sticky_error = ("cudaErrorStreamCaptureUnsupported: operation not "
+                                      "permitted when stream is capturing")
+            return 900
         if not sim.pin_memory:
             sim.sched.sticky_error = "cudaErrorNotSupported: cudaHostRegister failed"
             return 801
@@ -248,6 +257,11 @@ class SimDriver:
 
     def hazard(self, message: str) -> Exception:
         return HazardError(message)
+
+    def capture_underway(self, streams: Any) -> bool:
+        """The simulator knows every thread's captures: whether this thread may not make
+        "potentially unsafe" calls now."""
+        return self.sim.sched.prohibits_unsafe()
 
 
 def install(sim: SimState) -> Callable[[], None]:
@@ -297,8 +311,9 @@ def install(sim: SimState) -> Callable[[], None]:
         "get_device_capability": lambda device=None: (9, 0),
         "get_device_properties": get_device_properties,
         "is_initialized": lambda: True,
-        "init": lambda: None,
-        "_lazy_init": lambda: None,
+        "init": sched.check_usable,
+        "_lazy_init": sched.check_usable,
+        "_is_in_bad_fork": lambda: sched.bad_fork,
         "synchronize": synchronize,
         "Stream": Stream,
         "Event": Event,
