@@ -8,6 +8,9 @@ The tree::
                                        that the host changed after queueing it
     ValueOverflowError(ValueError, OverflowError)
                                        a value does not fit the target dtype
+    NotANumberError(TypeError, ValueError)
+                                       a value that is not a number (None, a string, bytes)
+                                       where numbers are expected
 
 User mistakes raise the built-in ``ValueError`` / ``TypeError`` / ``IndexError`` with a message
 that names the bad value and what was expected, as the contract asks.
@@ -15,7 +18,8 @@ that names the bad value and what was expected, as the contract asks.
 
 from __future__ import annotations
 
-__all__ = ["PinstageError", "HiddenSyncError", "HazardError", "ValueOverflowError"]
+__all__ = ["PinstageError", "HiddenSyncError", "HazardError", "ValueOverflowError",
+           "NotANumberError"]
 
 
 class PinstageError(Exception):
@@ -37,6 +41,13 @@ HazardError.__module__ = "pinstage.testing"  # where users import it from
 
 class ValueOverflowError(ValueError, OverflowError):
     """A value does not fit the dtype it is written as; it is refused, never wrapped."""
+
+
+class NotANumberError(TypeError, ValueError):
+    """A value that is not a number where numbers are expected (``None``, a string, bytes...).
+
+    Both a ``TypeError`` (the value has the wrong type) and a ``ValueError`` (the contract's
+    type for refused values), so either ``except`` clause catches it."""
 
 
 def describe(value: object, limit: int = 60) -> str:
