@@ -180,16 +180,9 @@ def _through_float32(arr: np.ndarray, dtype: torch.dtype) -> np.ndarray:
     return arr
 
 
-def _overflow(shown: np.ndarray, parts: np.ndarray, finite: np.ndarray, limit: float,
-              dtype: torch.dtype, what: str) -> None:
-    """Refuse the first finite value whose magnitude ``parts`` reaches ``limit``."""
-    out = (parts >= limit) & finite
-    if out.any():
-        value = shown[out].reshape(-1)[0]
-        finfo = torch.finfo(torch.float32 if dtype == torch.complex64 else dtype)
-        raise ValueOverflowError(f"{what} holds {value}{_where(out)}, which is outside "
-                                 f"{dtype}'s range (+-{float(finfo.max):.6g}); it would become "
-                                 "infinity")
+def _magnitudes(part: np.ndarray) -> np.ndarray:
+    """``|part|`` (a real array), without wrapping (``abs`` of int64's minimum)."""
+    return np.abs(part if part.dtype.kind == "f" else part.astype(np.float64))
 
 
 def check_fits(arr: np.ndarray, dtype: torch.dtype, what: str = "data") -> np.ndarray:
@@ -225,8 +218,10 @@ def check_fits(arr: np.ndarray, dtype: torch.dtype, what: str = "data") -> np.nd
                 value = arr[frac].reshape(-1)[0]
                 raise ValueError(f"{what} holds {value}{_where(frac)}, which is not a whole "
                                  f"number; {dtype} holds integers only (round it first)")
-            # float(hi_b) + 1 is exact: a power of two (2**31, 2**63, ...)
-            out = (arr < float(lo_b)) | (arr >= float(hi_b) + 1)
+            # float(hi_b) + 1 is exact: a power of two (2**31, 2**63, ...); compared in
+            # float64 (NumPy would cast the bound to float16 or float32: inf, with a warning)
+            wide = arr if arr.dtype.itemsize >= 8 else arr.astype(np.float64)
+            out = (wide < float(lo_b)) | (wide >= float(hi_b) + 1)
         else:
             lo, hi = int(arr.min()), int(arr.max())
             if lo_b <= lo and hi <= hi_b:
@@ -241,22 +236,20 @@ def check_fits(arr: np.ndarray, dtype: torch.dtype, what: str = "data") -> np.nd
     if limit == math.inf:
         return arr
     conv = _through_float32(arr, dtype)
-    if kind == "c":
-        parts = np.maximum(np.abs(conv.real), np.abs(conv.imag))
-    elif kind in "iub":
-        parts = np.abs(conv.astype(np.float64))
-    else:
-        parts = np.abs(conv)
-    top = parts.max()
-    if top < limit:  # common case; NaN (a representable value) takes the slow path below
+    # each component on its own (a complex value overflows if either part does)
+    parts = ((conv.real, arr.real), (conv.imag, arr.imag)) if kind == "c" else ((conv, arr),)
+    # (Python floats: NumPy would cast limit to float32, to inf; NaN takes the slow path)
+    if all(float(_magnitudes(c).max()) < limit for c, _ in parts):
         return conv
-    if kind == "c":
-        finite = np.isfinite(arr.real) & np.isfinite(arr.imag)
-    elif kind == "f":
-        finite = np.isfinite(arr)
-    else:
-        finite = np.ones(arr.shape, dtype=bool)
-    _overflow(arr, parts, finite, limit, dtype, what)
+    out = np.zeros(arr.shape, dtype=bool)
+    for c, orig in parts:
+        out |= (_magnitudes(c).astype(np.float64) >= limit) & np.isfinite(orig)
+    if out.any():
+        value = arr[out].reshape(-1)[0]
+        finfo = torch.finfo(torch.float32 if dtype == torch.complex64 else dtype)
+        raise ValueOverflowError(f"{what} holds {value}{_where(out)}, which is outside "
+                                 f"{dtype}'s range (+-{float(finfo.max):.6g}); it would become "
+                                 "infinity")
     return conv
 
 
@@ -332,8 +325,11 @@ def fast_pack(values: Sequence[Any], dtype: torch.dtype,
             packers[n] = pk
         return data
     # screened before packing, so a NumPy complex scalar never reaches the pack (whose
-    # ComplexWarning would reach the caller)
-    if not plain_floats(values) and not _real_scalars(values):
+    # ComplexWarning would reach the caller). A list starting with a NumPy scalar (list(arr))
+    # is looked at in Python at once: summing NumPy scalars could warn of an overflow.
+    t0 = type(values[0])
+    if not ((t0 is float or t0 is int) and plain_floats(values)) \
+            and not _real_scalars(values):
         return None
     try:
         data = pk.pack(*values)
@@ -349,7 +345,7 @@ def fast_pack(values: Sequence[Any], dtype: torch.dtype,
         return None  # rounds to 65520 or more: refused by the general path
 
 
-_BATCH_MISS = (KeyError, *PACK_MISS)
+_BATCH_MISS = (KeyError, IndexError, *PACK_MISS)
 
 
 def pack_batch(chunks: Sequence[Any], dtype: torch.dtype, packers: dict[int, struct.Struct],
@@ -372,8 +368,9 @@ def pack_batch(chunks: Sequence[Any], dtype: torch.dtype, packers: dict[int, str
                 if screen == 2:
                     return None  # float16 bytes can't join float32 packs: chunk by chunk
                 tuples = [c for c in chunks if type(c) is not bytes]
-            if not plain_floats(chain.from_iterable(tuples)):
-                return None
+            t0 = type(tuples[0][0]) if tuples else float
+            if not (t0 is float or t0 is int) or not plain_floats(chain.from_iterable(tuples)):
+                return None  # (NumPy scalars: chunk by chunk, as pack_list looks at them)
         if length:  # one pack for all (block-table appends)
             pack = packers[length].pack
             parts = [c if type(c) is bytes else pack(*c) for c in chunks]
@@ -466,7 +463,15 @@ def _numbers_from_objects(arr: np.ndarray, dtype: torch.dtype | None, what: str)
         (torch.complex64 if torch.get_default_dtype() == torch.float32 else torch.complex128)
         if has_complex else torch.get_default_dtype() if has_float else torch.int64)
     if target.is_complex:
-        return np.array([complex(v) for v in values], dtype=np.complex128).reshape(arr.shape)
+        cplx = np.empty(len(values), dtype=np.complex128)
+        for i, v in enumerate(values):
+            try:
+                cplx[i] = complex(v)
+            except OverflowError:
+                raise ValueOverflowError(f"{what} holds {v} at {_pos(i, arr.shape)}, which is "
+                                         f"outside {target}'s range; it would become "
+                                         "infinity") from None
+        return cplx.reshape(arr.shape)
     if has_complex:
         for i, v in enumerate(values):
             if isinstance(v, complex):
@@ -487,8 +492,8 @@ def _numbers_from_objects(arr: np.ndarray, dtype: torch.dtype | None, what: str)
                                          f"outside {target}'s range; it would become "
                                          "infinity") from None
         conv = _through_float32(out, target)
-        parts = np.abs(conv)
-        if limit != math.inf and not parts.max() < limit:
+        parts = np.abs(conv).astype(np.float64)
+        if limit != math.inf and not float(parts.max()) < limit:
             bad = (parts >= limit) & np.isfinite(out)
             if bad.any():
                 i = int(np.argmax(bad))
@@ -575,8 +580,8 @@ def list_values(data: Sequence[Any], dtype: torch.dtype | None, what: str) -> np
     if arr.ndim > depth:  # an element read as a row: a bytes-like one is not a number
         _refuse_text(data, what)
     floating = dtype is not None and (dtype.is_floating_point or dtype.is_complex)
-    if kind in "fc" and not floating and arr.size and not bool(
-            (np.abs(arr) <= _EXACT_INT).all()):
+    if kind in "fc" and not floating and arr.size and not (
+            float(np.abs(arr).max()) <= _EXACT_INT):  # (NaN too: it is no int either)
         # NumPy makes float64 of ints beyond int64 with negative ones ([2**63, -1]) or of
         # np.uint64 values with Python ints, rounding them: read them one by one, exactly
         return _numbers_from_objects(_object_array(data), dtype, what)
