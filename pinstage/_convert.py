@@ -84,7 +84,7 @@ PACK_MISS = (struct.error, OverflowError, TypeError, ValueError)
 
 # Not numbers, though NumPy and torch.tensor read bytes-like ones as rows of byte values.
 _TEXT = (str, bytes, bytearray, memoryview)
-_EXACT_INT = float(2**53)  # beyond it, a float64 NumPy made from ints may have rounded them
+_EXACT_INT = float(2**53)  # from it on, a float64 NumPy made from ints may have rounded them
 
 # dtype -> (struct code, screen): screen 0: an integer code (exact, nothing to check);
 # 1: a float code (screened for NumPy complex scalars); 2: float16 (as float32, then float16)
@@ -296,9 +296,10 @@ def plain_floats(values: Iterable[Any]) -> bool:
     """The float screen: whether ``values`` are Python floats, ints and bools only (then a
     float code packs them as the rule converts them). One ``sum`` in C; ``False`` for anything
     else (a NumPy scalar, a 0-d tensor, a value whose own ``__add__`` fails), which then needs
-    a closer look."""
+    a closer look. The sum starts at NaN so that it carries no magnitude: once it meets a
+    NumPy scalar it is NumPy's NaN, which adds without overflow warnings."""
     try:
-        return type(sum(values, 0.0)) is float
+        return type(sum(values, math.nan)) is float
     except Exception:
         return False
 
@@ -581,9 +582,10 @@ def list_values(data: Sequence[Any], dtype: torch.dtype | None, what: str) -> np
         _refuse_text(data, what)
     floating = dtype is not None and (dtype.is_floating_point or dtype.is_complex)
     if kind in "fc" and not floating and arr.size and not (
-            float(np.abs(arr).max()) <= _EXACT_INT):  # (NaN too: it is no int either)
-        # NumPy makes float64 of ints beyond int64 with negative ones ([2**63, -1]) or of
-        # np.uint64 values with Python ints, rounding them: read them one by one, exactly
+            float(np.abs(arr).max()) < _EXACT_INT):  # (NaN too: it is no int either)
+        # NumPy makes float64 of ints mixed with floats, of ints beyond int64 with negative
+        # ones ([2**63, -1]), of np.uint64 values with Python ints, rounding those beyond
+        # 2**53: read them one by one, exactly
         return _numbers_from_objects(_object_array(data), dtype, what)
     if dtype is not None and floating and kind in "iu" and arr.size and (int(arr.max()) > 2**53
                                                    or int(arr.min()) < -2**53):
