@@ -7,7 +7,8 @@ The tree::
     │                                   a value does not fit the target dtype (refused, never
     │                                   wrapped)
     ├── NotANumberError(TypeError, ValueError)
-    │                                   a value that is not a number where numbers are expected
+    │                                   a value that is not a number (None, a string, bytes)
+    │                                   where numbers are expected
     ├── UnavailableError(RuntimeError)  what was asked cannot be done in this process (no CUDA,
     │                                   no pinned memory, no UVA); ``reasons`` says why
     ├── CaptureError(RuntimeError)      refused while a CUDA graph is being captured

@@ -31,9 +31,9 @@ import torch
 
 from ._buffers import UvaBuffer, check_concurrency, get_default_max_concurrency
 from ._capabilities import capabilities_for
-from ._convert import values_bytes
+from ._convert import number_bytes, pack_batch, pack_list, values_bytes
 from ._device import Backend, refuse_capture
-from ._dtypes import STRUCT_CODES, check_dtype, check_shape, itemsize, packer, torch_to_numpy
+from ._dtypes import check_dtype, check_shape, itemsize, torch_to_numpy
 from ._errors import NotANumberError, ValueOverflowError, describe
 from ._host import align_up
 from ._registry import get_backend
@@ -43,28 +43,7 @@ __all__ = ["StagedWriteTensor", "FusedStagedWriter", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (torch.int32, torch.int64, torch.float32, torch.float16, torch.bfloat16,
                     torch.float64)
-# what a cached pack raises for values it cannot take (a ValueError from an element's own
-# __index__ too): the slow path then converts them by the rule or says what is wrong
-_FAST_MISS = (KeyError, struct.error, OverflowError, TypeError, ValueError)
 _REFUSALS = (ValueOverflowError, NotANumberError, ValueError, TypeError)  # most specific first
-
-
-def _list_bytes(values: tuple[Any, ...], dtype: torch.dtype,
-                packers: dict[int, struct.Struct]) -> bytes:
-    """The values of a staged list as bytes of ``dtype`` by the conversion rule: the cached
-    ``struct`` of their length first (C, range-checked), else the rule's general path, which
-    converts what the pack cannot (``3.0`` into int32) or raises saying what is wrong."""
-    pk = packers.get(len(values))
-    if pk is None:
-        code = STRUCT_CODES.get(dtype)
-        if code is not None and len(packers) < 256:
-            pk = packers[len(values)] = packer(code, len(values))
-    if pk is not None:
-        try:
-            return pk.pack(*values)
-        except _FAST_MISS:
-            pass
-    return values_bytes(list(values), dtype, "x")[0]
 
 
 class _Snapshot:
@@ -85,7 +64,7 @@ def _append_snapshot(staged: list[Any], dtype: torch.dtype, packers: dict[int, s
     atomic as the plain one)."""
     off, n, values = entry
     try:
-        now: bytes | None = _list_bytes(values, dtype, packers)
+        now: bytes | None = pack_list(values, dtype, "x", packers)
     except (TypeError, ValueError):
         now = None
     staged.append((off, n, _Snapshot(values, now)))
@@ -322,7 +301,7 @@ class StagedWriteTensor:
             self._geom = (self.num_rows, self.num_cols, 0, self.num_cols)
         else:
             self._geom = (self.num_rows, 1, 1, self.num_rows)
-        self._packers: dict[int, struct.Struct] = {}
+        self._packers: dict[int, struct.Struct] = {}  # pack_list's cached packs, by length
         # (flat offset, length, values): values as checked bytes of ``dtype``, or the tuple of
         # a list or tuple given to stage_write, converted by apply_write
         self._staged: list[tuple[int, int, bytes | tuple[Any, ...]]] = []
@@ -383,18 +362,7 @@ class StagedWriteTensor:
     def stage_write_elem(self, index: int, x: Any) -> None:
         """Stage ``gpu[index] = x`` (1-D) or ``gpu[index, 0] = x`` (2-D); ``x`` is one number."""
         row = _as_int(index, "index")
-        seq: Any
-        if isinstance(x, (np.ndarray, torch.Tensor)):
-            if int(np.prod(x.shape)) != 1:
-                raise TypeError(f"x must be a single number, got {describe(x)}")
-            seq = x.reshape(1)
-        elif isinstance(x, (int, float, np.number, np.bool_)):
-            seq = [x]
-        elif isinstance(x, Iterable) and not isinstance(x, (str, bytes)):
-            raise TypeError(f"x must be a single number, got {describe(x)}")
-        else:
-            raise NotANumberError(f"x is {describe(x)}, which is not a number")
-        data, n = values_bytes(seq, self.dtype, "x", self._backend)
+        data, n = number_bytes(x, self.dtype, "x", self._backend), 1
         if not 0 <= row < self.num_rows or self.num_cols < 1:
             raise IndexError(f"staged write at row {row} is outside the {self.shape} tensor")
         self._staged.append((row * self._geom[1], n, data))
@@ -426,21 +394,15 @@ class StagedWriteTensor:
         return _TableBatch(self, k, idx, vals)
 
     def _values(self, entries: Sequence[tuple[int, int, Any]], chunks: Sequence[Any],
-                length: int, label: str) -> bytearray:
+                length: int, label: str) -> bytes | bytearray:
         """The values of ``entries`` as one run of bytes of ``dtype``: checked bytes as they
-        are, tuples packed by the cached ``struct`` of their length (which range-checks in C;
-        ``length``: the common length of all entries, or 0). A size not seen yet, or values
-        the pack refuses, take :meth:`_encode`."""
-        packers = self._packers
-        try:  # (a _Snapshot is not iterable: its entry takes _encode as well)
-            if length:  # one packer for all (block-table appends)
-                pack = packers[length].pack
-                parts = [c if type(c) is bytes else pack(*c) for c in chunks]
-            else:
-                parts = [c if type(c) is bytes else packers[len(c)].pack(*c) for c in chunks]
-        except _FAST_MISS:
-            parts = [self._encode(e, label) for e in entries]
-        return bytearray().join(parts)
+        are, tuples by the conversion module's batch fast path (the cached ``struct`` of their
+        length, in C; ``length``: the common length of all entries, or 0). A size not seen
+        yet, or values that path does not take, take :meth:`_encode` (``pack_list``)."""
+        data = pack_batch(chunks, self.dtype, self._packers, length)
+        if data is None:  # (a _Snapshot takes _encode as well)
+            data = bytearray().join([self._encode(e, label) for e in entries])
+        return data
 
     def _encode(self, entry: tuple[int, int, Any], label: str) -> bytes:
         """One entry's values as bytes of ``dtype``, by the conversion rule; its error names
@@ -453,7 +415,7 @@ class StagedWriteTensor:
         if snap is not None:
             values = snap.values
         try:
-            data = _list_bytes(values, self.dtype, self._packers)
+            data = pack_list(values, self.dtype, "x", self._packers)
         except (TypeError, ValueError) as exc:
             if snap is not None and snap.staged is not None:
                 raise self._changed(off, n, label) from None
