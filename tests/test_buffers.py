@@ -10,6 +10,7 @@ import torch
 from helpers import reference_equal, run_threads
 
 import pinstage
+from pinstage import _state
 from pinstage.testing import HazardError, simulated_accelerator
 
 
@@ -266,6 +267,8 @@ def test_pool_fences_each_hand_out_on_its_own_stream(monkeypatch):
         s1, s2 = torch.cuda.Stream(sim.device), torch.cuda.Stream(sim.device)
         seen = torch.zeros(3, dtype=torch.int64, device=sim.device)  # filled on the default
         s1.wait_stream(torch.cuda.current_stream())  # stream: s1 must not overtake the fill
+        _state.device_state(backend).collect()  # earlier garbage's fences are not the pool's
+        recorded.clear()
         with torch.cuda.stream(s1):
             first = pool.copy_to_uva([1, 2, 3])
             seen.copy_(first)  # a reader of hand-out 1, queued on stream 1

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import pinstage
-from pinstage import _cuda
+from pinstage import DriverError, _cuda, _registry, _state
 from pinstage._state import device_state
 
 
@@ -65,7 +65,13 @@ def fake_cuda(monkeypatch, quiet_gc):
     monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "Fake GPU")
-    return rt
+    before = set(_state.all_states())
+    yield rt
+    # The fake's events (plain objects) must not outlive it: a later test's simulated CUDA
+    # fences every device that read pinned memory, this fake one included.
+    for state in set(_state.all_states()) - before:
+        _state._STATES.pop(state.backend, None)
+    _registry.forget_resolved()
 
 
 def test_pinned_memory_is_registered_exactly_and_released(fake_cuda):
@@ -108,8 +114,8 @@ def test_probe_fails_closed_when_pinning_fails(fake_cuda):
 def test_probe_turns_uva_off_when_mapping_fails(monkeypatch, fake_cuda):
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a, **k: True)
 
-    def no_runtime():
-        raise OSError("cannot find the libcudart runtime library")
+    def no_runtime():  # what _Runtime raises when no libcudart can be loaded
+        raise DriverError("cannot find the libcudart runtime library to map pinned memory")
 
     monkeypatch.setattr(_cuda, "_get_runtime", no_runtime)
     probe = _probe(_cuda.CudaBackend(0))

@@ -283,10 +283,6 @@ def test_cuda_graph_capture_and_replay():
         with torch.cuda.graph(g):
             buf.copy_to_gpu()  # a copy between persistent buffers: safe to capture
             out.copy_(buf.gpu * 2)
-            with pytest.raises(RuntimeError, match="capturing"):
-                torch.cuda.synchronize()
-            with pytest.raises(RuntimeError, match="capturing"):
-                out.sum().item()
             with pytest.raises(RuntimeError, match="capture"):
                 pinstage.async_tensor_h2d([1, 2, 3], sim.device)  # would replay recycled memory
         assert sim.pending == 0  # captured, not run
@@ -294,6 +290,22 @@ def test_cuda_graph_capture_and_replay():
             buf.np[:] = k
             g.replay()
             assert out.tolist() == [2.0 * k] * 4
+
+
+@pytest.mark.parametrize("illegal", ["synchronize", "item"])
+def test_a_sync_inside_a_capture_fails_and_invalidates_it(illegal):
+    """As on CUDA: the synchronizing call fails at once (``cudaErrorStreamCaptureUnsupported``)
+    and the capture is invalidated, so ending it fails too, even if the caller caught the
+    first error."""
+    with simulated_accelerator("lazy"):
+        out = torch.zeros(4, device="cuda")
+        pinstage.capabilities()
+        g = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="cudaErrorStreamCaptureInvalidated"):
+            with torch.cuda.graph(g):
+                out.add_(1)
+                with pytest.raises(RuntimeError, match="capturing"):
+                    torch.cuda.synchronize() if illegal == "synchronize" else out.sum().item()
 
 
 def test_a_sticky_driver_error_surfaces_unless_cleared():
