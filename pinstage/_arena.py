@@ -27,7 +27,7 @@ import torch
 
 from ._device import Backend, Fence
 from ._errors import BusyError
-from ._host import LOCK, TOTALS, Counters, align_up, parse_size
+from ._host import KEYS, LOCK, Counters, align_up, count_wait, parse_size
 
 __all__ = ["StagingArena", "Region", "Staging", "ArenaHost", "staging_limit",
            "MIN_STAGING_LIMIT", "DEFAULT_STAGING_LIMIT", "check_limit"]
@@ -90,7 +90,7 @@ class Region:
     """Bytes ``start:end`` of a staging block, handed out to one call."""
 
     __slots__ = ("block", "start", "end", "requested", "fence", "state", "stream", "owner",
-                 "claim", "counted")
+                 "claim", "key")
 
     def __init__(self, block: _Block, start: int, end: int, requested: int, owner: int) -> None:
         self.block = block
@@ -102,7 +102,7 @@ class Region:
         self.stream: Any = None  # the stream current when it was released
         self.owner = owner  # the thread filling it
         self.claim: _Claim | None = None
-        self.counted = False  # in the counters (and in ``block.live``)
+        self.key = next(KEYS)  # its entry in the device's ledger while in ``block.live``
 
     @property
     def nbytes(self) -> int:
@@ -282,29 +282,10 @@ class StagingArena:
                              f"of {self.limit} bytes; stage it in pieces")
         me = _get_ident()
         while True:
-            grow: _Growth | None = None
-            with self._lock:
-                if self._abandoned:
-                    self._release_abandoned()
-                region = self._try_alloc(n, nbytes, holder, me)
-                if region is None:
-                    self._reclaim()
-                    region = self._try_alloc(n, nbytes, holder, me)
-                if region is not None:
-                    if len(self._blocks) > 1:
-                        self._reclaim()  # give retired blocks back as soon as they drain
-                    return region
-                size = self._growth(n)
-                if size and self._grower() is None:
-                    grow = _Growth(size)  # this thread grows the arena, outside the lock
-                    self._grower = weakref.ref(grow)
-                    event: Any = None
-                elif size:  # another thread is growing it: wait for that
-                    wake = _Wake()
-                    self._waiters.append(wake.lock)
-                    event = wake
-                else:
-                    event = self._wait_for_room(me)
+            # (one line: the lock's own __exit__ always runs, whatever interrupts this)
+            with self._lock: region, grow, event = self._alloc_step(n, nbytes, holder, me)  # noqa: E501,E701
+            if region is not None:
+                return region
             # The lock is not held from here on: this thread waits, or pins new memory.
             if grow is not None:
                 self._grow(grow)
@@ -312,6 +293,30 @@ class StagingArena:
                 event.lock.acquire(timeout=WAIT_SLICE_S)
             elif event is not None:  # for the device
                 self.host.wait(event)
+
+    def _alloc_step(self, n: int, nbytes: int, holder: Staging | None,
+                    me: int) -> tuple[Region | None, _Growth | None, Any]:
+        """Under the lock: a region, or what to do for one (grow, or wait for what)."""
+        if self._abandoned:
+            self._release_abandoned()
+        region = self._try_alloc(n, nbytes, holder, me)
+        if region is None:
+            self._reclaim()
+            region = self._try_alloc(n, nbytes, holder, me)
+        if region is not None:
+            if len(self._blocks) > 1:
+                self._reclaim()  # give retired blocks back as soon as they drain
+            return region, None, None
+        size = self._growth(n)
+        if size and self._grower() is None:
+            grow = _Growth(size)  # this thread grows the arena, outside the lock
+            self._grower = weakref.ref(grow)
+            return None, grow, None
+        if size:  # another thread is growing it: wait for that
+            wake = _Wake()
+            self._waiters.append(wake.lock)
+            return None, None, wake
+        return None, None, self._wait_for_room(me)
 
     def release(self, region: Region) -> None:
         """Mark ``region`` reusable once the device work enqueued so far on the current stream
@@ -323,20 +328,18 @@ class StagingArena:
         if region.state != _FILLING:
             return
         stream = self.backend.current_stream()
-        with self._lock:
-            self._release_locked(region, stream)
+        with self._lock: self._release_locked(region, stream)  # noqa: E701 - (one line)
 
     def _release_locked(self, region: Region, stream: Any) -> None:
         if region.state != _FILLING:
             return
-        region.stream = stream
         batch = self._batches.get(stream)
         if batch is None:
             batch = self._batches[stream] = _FenceBatch()
         batch.regions.append(region)
+        # one statement: released (the owner is done with it: no callback when it dies)
+        region.stream, region.state, region.claim = stream, _RELEASED, None
         batch.nbytes += region.end - region.start
-        region.state = _RELEASED
-        region.claim = None  # the owner is done with it: no callback when the owner dies
         if len(batch.regions) >= FENCE_EVERY or batch.nbytes * 8 >= region.block.size:
             self._fence(stream)
         if self._waiters:
@@ -349,9 +352,8 @@ class StagingArena:
             region = getattr(claim, "region", None)
             if region is not None and region.state == _FILLING:
                 # Its filler may have queued a reader on any stream: fence on all those seen.
-                region.fence = self.host.fence_seen(self.backend.current_stream())
-                region.state = _FENCED
-                region.claim = None
+                fence = self.host.fence_seen(self.backend.current_stream())
+                region.fence, region.state, region.claim = fence, _FENCED, None
             self._abandoned.popleft()
         if self._waiters:
             self._notify_all()
@@ -368,8 +370,7 @@ class StagingArena:
         fence = self.host.fence(stream)
         for r in batch.regions:  # (interrupted midway: the batch stays for the next fence)
             if r.state == _RELEASED:
-                r.fence = fence
-                r.state = _FENCED
+                r.fence, r.state = fence, _FENCED
         del self._batches[stream]
         self.host.note_stream(stream)
 
@@ -394,32 +395,11 @@ class StagingArena:
             region.claim = claim
         block.head = start + n
         block.live.append(region)
-        # Straight-line code from here (no call, no loop: nowhere an interrupt is delivered),
-        # so the counters change together with ``counted``.
-        t = TOTALS
-        d = self.host.stats
-        t.in_use_bytes += n
-        t.requested_bytes += requested
-        if t.in_use_bytes > t.peak_in_use_bytes:
-            t.peak_in_use_bytes = t.in_use_bytes
-        d.in_use_bytes += n
-        d.requested_bytes += requested
-        if d.in_use_bytes > d.peak_in_use_bytes:
-            d.peak_in_use_bytes = d.in_use_bytes
-        region.counted = True
+        self.host.stats.add(region.key, 0, n, requested)  # (one ledger entry: see _host)
         return region
 
     def _free(self, block: _Block) -> None:
-        region = block.live[0]
-        if region.counted:  # straight-line down to the popleft (see _try_alloc)
-            region.counted = False
-            n = region.end - region.start
-            t = TOTALS
-            d = self.host.stats
-            t.in_use_bytes -= n
-            t.requested_bytes -= region.requested
-            d.in_use_bytes -= n
-            d.requested_bytes -= region.requested
+        self.host.stats.remove(block.live[0].key)  # idempotent: an interrupt may repeat it
         block.live.popleft()
 
     def _reclaim(self) -> None:
@@ -450,18 +430,20 @@ class StagingArena:
         try:
             tensor = self.host.alloc_pinned(growth.size, in_use=False)
         except BaseException:
-            with self._lock:
-                self._grower = _NO_GROWER
-                self._notify_all()
+            with self._lock: self._install(None)  # noqa: E701 - (one line)
             raise
-        with self._lock:
-            self._grower = _NO_GROWER
-            in_other = sum(b.size for b in self._blocks if b.live)
-            if in_other + growth.size <= self.limit:  # (still within it: install)
-                if self._blocks and not self._blocks[-1].live:
-                    self._blocks.pop()
-                self._blocks.append(_Block(tensor))
-            self._notify_all()
+        with self._lock: self._install(tensor)  # noqa: E701 - (one line)
+
+    def _install(self, tensor: torch.Tensor | None) -> None:
+        """Under the lock: the grown block becomes the current one (if still within the
+        limit); waiters try again."""
+        self._grower = _NO_GROWER
+        if tensor is not None and \
+                sum(b.size for b in self._blocks if b.live) + tensor.numel() <= self.limit:
+            if self._blocks and not self._blocks[-1].live:
+                self._blocks.pop()
+            self._blocks.append(_Block(tensor))
+        self._notify_all()
 
     def _wait_for_room(self, me: int) -> Any:
         """What to wait for, with the lock released, until the oldest region may free up
@@ -469,8 +451,7 @@ class StagingArena:
         oldest = next((b.live[0] for b in self._blocks if b.live), None)
         if oldest is None:
             return None
-        for c in (TOTALS, self.host.stats):
-            c.waits += 1
+        count_wait(self.host.stats)
         if oldest.state == _FILLING:
             if oldest.owner == me:
                 gc.collect()  # an interrupted owner may be garbage in a reference cycle
@@ -495,11 +476,13 @@ class StagingArena:
 
     def drain(self) -> None:
         """Fence what was released and take back the regions whose readers have completed."""
-        with self._lock:
-            if self._abandoned:
-                self._release_abandoned()
-            self._fence_all()
-            self._reclaim()
+        with self._lock: self._drain_locked()  # noqa: E701 - (one line)
+
+    def _drain_locked(self) -> None:
+        if self._abandoned:
+            self._release_abandoned()
+        self._fence_all()
+        self._reclaim()
 
     def reset_after_fork(self) -> None:
         """In a forked child: drop the parent's blocks (their fillers do not exist here)."""

@@ -22,10 +22,10 @@ import torch
 from ._capabilities import Capabilities, capabilities_for
 from ._convert import HostSource
 from ._device import Backend, Fence, refuse_capture
-from ._dtypes import check_dtype, check_shape, itemsize, torch_to_numpy
+from ._dtypes import check_dtype, check_out, check_shape, itemsize, torch_to_numpy
 from ._errors import BusyError, UnavailableError, describe
 from ._registry import get_backend
-from ._state import DeviceState, device_state
+from ._state import DeviceState, device_state, renew_locks_after_fork
 
 __all__ = ["CpuGpuBuffer", "UvaBuffer", "NonUvaBuffer", "UvaBufferPool", "UvaBackedTensor",
            "check_concurrency", "get_default_max_concurrency", "set_default_max_concurrency"]
@@ -258,16 +258,16 @@ class NonUvaBuffer:
         self._dev = _device(backend, shape, dtype, zero=False)
         self._prefix = _Prefixes(self.cpu, self._dev)
         self._busy = threading.Lock()
+        renew_locks_after_fork(self, "_busy")
 
     def uva(self, n: int | None = None) -> torch.Tensor:
         """Device memory holding ``.cpu[:n]`` as it is now."""
         cpu, dev = self._prefix.get(_check_n(n, self.cpu.shape[0]))
-        if not self._busy.acquire(False):
+        if self._busy.locked():
             raise _busy_error("NonUvaBuffer.uva")
-        try:
-            self._backend.copy_h2d(dev, cpu, pinned=self._pinned)  # host -> device
-        finally:
-            self._busy.release()
+        # Held by a one-line ``with`` (released whatever interrupts the copy; see _host). Two
+        # threads that both pass the check above are serialized here, as two calls in a row.
+        with self._busy: self._backend.copy_h2d(dev, cpu, pinned=self._pinned)  # noqa: E701
         return dev
 
 
@@ -297,6 +297,9 @@ class _Ring:
         self.last_stream: Any = None  # the stream current at that hand-out
 
 
+_SLOTS_UP_FRONT = 8
+
+
 class UvaBufferPool:
     """Round-robin device-visible staging slots whose reuse is fenced.
 
@@ -318,7 +321,9 @@ class UvaBufferPool:
         self.caps: Capabilities = capabilities_for(backend)
         self._local = threading.local()
         ring = self._ring()
-        for i in range(self.max_concurrency):  # this thread's slots, made up front
+        # This thread's first slots are made up front (the hot path then pins nothing); the
+        # rest on first use, so a large max_concurrency costs nothing until it is used.
+        for i in range(min(self.max_concurrency, _SLOTS_UP_FRONT)):
             ring.slots[i] = self._new_slot(self.size)
 
     def _ring(self) -> _Ring:
@@ -381,11 +386,7 @@ class UvaBufferPool:
         src = self._source(x)
         src_shape = src.shape
         if out is not None:
-            if not isinstance(out, torch.Tensor):
-                raise TypeError(f"out must be a device tensor, got {describe(out)}")
-            if tuple(out.shape) != src_shape or out.dtype != self.dtype:
-                raise ValueError(f"out has shape {tuple(out.shape)} and dtype {out.dtype}; "
-                                 f"expected {src_shape} and {self.dtype}")
+            check_out(out, self.device, src_shape, self.dtype)
         slot, rows = self._fill(src)
         backend = self._backend
         dst = out if out is not None else _device(backend, src_shape, self.dtype, zero=False)

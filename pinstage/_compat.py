@@ -14,11 +14,20 @@ from ._capabilities import capabilities_for
 from ._copies import async_tensor_h2d
 from ._errors import UnavailableError, describe
 from ._registry import get_backend
+from ._state import on_fork_child
 
 __all__ = ["async_copy_to_gpu", "get_accelerator_view_from_cpu_tensor"]
 
 _warned = False
 _warn_lock = threading.Lock()
+
+
+def _reset_after_fork() -> None:
+    global _warn_lock
+    _warn_lock = threading.Lock()  # (the parent's may have been held at the fork)
+
+
+on_fork_child(_reset_after_fork)
 
 
 def async_copy_to_gpu(x: Any, out: torch.Tensor | None = None,
@@ -27,8 +36,7 @@ def async_copy_to_gpu(x: Any, out: torch.Tensor | None = None,
     ``DeprecationWarning`` once per process (vLLM folded it into ``async_tensor_h2d``)."""
     global _warned
     if not _warned:
-        with _warn_lock:
-            first, _warned = not _warned, True
+        with _warn_lock: first, _warned = not _warned, True  # noqa: E701 - (one line: see _host)
         if first:
             warnings.warn("pinstage.async_copy_to_gpu(x, out, device) is deprecated: use "
                           "async_tensor_h2d(x, device=device, out=out)", DeprecationWarning,

@@ -19,7 +19,7 @@ import torch
 from ._capabilities import capabilities_for
 from ._convert import NATIVE_DTYPES, HostSource, array_tensor
 from ._device import Backend, refuse_capture
-from ._dtypes import itemsize, torch_to_numpy
+from ._dtypes import check_out, itemsize, torch_to_numpy
 from ._errors import describe
 from ._host import ALIGN, align_up
 from ._registry import get_backend
@@ -33,14 +33,7 @@ _CPU = torch.device("cpu")
 
 
 def _check_out(out: Any, backend: Backend, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"out must be a device tensor, got {describe(out)}")
-    if out.device != backend.device:
-        raise ValueError(f"out must be a tensor on {backend.device}, got one on {out.device}")
-    if out.dtype != dtype:
-        raise ValueError(f"out has dtype {out.dtype} but the result's dtype is {dtype}")
-    if tuple(out.shape) != shape:
-        raise ValueError(f"out has shape {tuple(out.shape)} but the data has shape {shape}")
+    check_out(out, backend.device, shape, dtype)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

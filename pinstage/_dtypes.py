@@ -57,10 +57,56 @@ def packer(code: str, n: int) -> struct.Struct:
     return struct.Struct(f"<{n}{code}")
 
 
+# Dtypes whose bytes are not values pinstage can convert or stage: quantized tensors carry a
+# scale and zero point beside their bytes, and ``bits*`` dtypes have no arithmetic at all.
+_UNSUPPORTED = frozenset(getattr(torch, n) for n in (
+    "qint8", "quint8", "qint32", "quint4x2", "quint2x4",
+    "bits1x8", "bits2x4", "bits4x2", "bits8", "bits16") if hasattr(torch, n))
+
+
 def check_dtype(dtype: Any, what: str = "dtype") -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"{what} must be a torch.dtype (e.g. torch.int32), got {dtype!r}")
+    if dtype in _UNSUPPORTED:
+        raise TypeError(f"{what} {dtype} is not supported: quantized and bits dtypes hold no "
+                        "plain values (use an integer or floating dtype, e.g. torch.uint8)")
     return dtype
+
+
+def check_out(out: Any, device: torch.device, shape: tuple[int, ...],
+              dtype: torch.dtype) -> torch.Tensor:
+    """``out=`` checked before anything is written: a tensor on ``device`` (not ``meta``, not
+    the host for a device result) with this ``shape`` and ``dtype``, that autograd allows to be
+    written in place and whose elements do not overlap (an ``expand()``-ed view)."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a tensor on {device}, got {describe(out)}")
+    if out.device != device:
+        raise ValueError(f"out must be a tensor on {device}, got one on {out.device}")
+    if out.dtype != dtype:
+        raise ValueError(f"out has dtype {out.dtype} but the result's dtype is {dtype}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"out has shape {tuple(out.shape)} but the data has shape "
+                         f"{tuple(shape)}")
+    if out.requires_grad and torch.is_grad_enabled():
+        raise ValueError("out requires grad: pinstage writes it in place, which autograd "
+                         "refuses; pass out.detach() or a tensor made without requires_grad")
+    if overlaps(out):
+        raise ValueError(f"out's elements overlap (shape {tuple(out.shape)}, strides "
+                         f"{tuple(out.stride())}, e.g. an expand()-ed view): writing it "
+                         "would be ambiguous; pass a tensor of its own, e.g. out.clone()")
+    return out
+
+
+def overlaps(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` share memory. Exact for dense and sliced views (dims
+    sorted by stride, each must step past everything the smaller ones span)."""
+    dims = sorted((abs(st), n) for n, st in zip(t.shape, t.stride()) if n > 1)
+    span = 0  # elements the dims so far reach beyond the first
+    for stride, n in dims:
+        if stride <= span:
+            return True
+        span += stride * (n - 1)
+    return False
 
 
 @lru_cache(maxsize=64)

@@ -8,20 +8,29 @@ RMM style, each layer small enough to test alone:
 * :class:`HostRegion` - one host allocation of exactly the size asked: its own page-aligned
   private ``mmap`` (rounded to the page) for memory a backend pins (``cudaHostRegister``)
   through callbacks, or 64-byte aligned memory otherwise. Tensors made from it keep it alive.
-* :class:`Parking` - where a dropped region (or pool lease) waits: its ``__del__`` appends it
-  here without a lock; the device state fences it with events and gives it back only once the
-  device work queued before the drop has completed.
+* :class:`Parking` - where dropped memory (a region, a pool lease) waits: the tensors' NumPy
+  base has no ``__del__``; a weak reference's C-level callback queues it when it dies, and the
+  device state fences it with events and gives it back only once the device work queued
+  before the drop has completed.
 * :class:`PinnedPool` - exact-size pinned slabs for ``np_to_pinned_tensor``, reused once the
   device is done with them.
 
-Concurrency: every state change happens under one process-wide re-entrant lock (:data:`LOCK`,
-made anew in a forked child by the device state's fork hook). After ``fork``, memory made
-before it (:data:`GEN`) is not the child's to free.
+Concurrency: the driver calls and the pool's and arena's structures change under one
+process-wide re-entrant lock (:data:`LOCK`, made anew in a forked child by the device state's
+fork hook). After ``fork``, memory made before it (:data:`GEN`) is not the child's to free.
+
+Interrupts (``KeyboardInterrupt`` at any point, Ctrl-C or an injected one): every ``with
+LOCK.lock:`` here and in the layers above is one line (the lock's own C-level ``__exit__`` then
+always runs: a multi-line ``with`` ends with a line of its own, where an interrupt skips it).
+The counters are a ledger (:class:`Counters`): an item is counted by one dict store and
+uncounted by one idempotent dict pop, so no interrupt can count it twice, uncount it twice or
+leave the totals half-changed; a release interrupted midway is simply done again.
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import mmap
 import re
 import threading
@@ -33,8 +42,10 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["HostRegion", "Counters", "TOTALS", "Parking", "PinnedPool", "Lease", "parse_size",
-           "align_up", "PAGE", "ALIGN", "LOCK", "GEN"]
+__all__ = ["HostRegion", "Counters", "TOTALS", "NO_DEVICE", "KEYS", "ledger", "count_wait",
+           "orphan", "orphan_all", "drain_orphans",
+           "Parking", "PinnedPool", "Lease", "parse_size", "align_up", "PAGE", "ALIGN", "LOCK",
+           "GEN"]
 
 PAGE = mmap.PAGESIZE
 ALIGN = 64  # every staging region starts on a 64-byte boundary (enough for any dtype)
@@ -64,104 +75,244 @@ def align_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
-class Counters:
-    """Counters of pinned host memory (callers hold the lock)."""
+KEYS = itertools.count(1)  # ledger keys: next() is one C-level step
+LEASE = 1  # the kind of a ledger entry that is a pool lease (``PinnedPool.leased``)
 
-    __slots__ = ("reserved_bytes", "in_use_bytes", "peak_in_use_bytes", "requested_bytes",
-                 "waits", "pins")
+
+class Counters:
+    """Pinned host memory of one device (``host_memory_stats(device)``), as a ledger of live
+    items: a region, a lease or an allocation, by its key, with the bytes it reserves, hands
+    out and was asked for. Counting an item is one dict store and uncounting it one dict pop,
+    each a single C-level step, so an interrupt anywhere leaves an item counted or not, never
+    half; uncounting is idempotent, so a retried release never counts twice. The totals are
+    summed when read. (The peak is kept from a running sum, best effort after an interrupt.)"""
+
+    __slots__ = ("_live", "_sum", "peak_in_use_bytes", "waits", "pins", "__weakref__")
 
     def __init__(self) -> None:
         self.reset()
+        _ACCOUNTS.add(self)
 
     def reset(self) -> None:
-        self.reserved_bytes = 0
-        self.in_use_bytes = 0
+        self._live: dict[int, tuple[int, int, int, int]] = {}
+        self._sum = 0  # running in-use bytes, for the peak
         self.peak_in_use_bytes = 0
-        self.requested_bytes = 0
         self.waits = 0
         self.pins = 0
 
-    def use(self, n: int, requested: int) -> None:
-        self.in_use_bytes += n
-        self.requested_bytes += requested
-        if self.in_use_bytes > self.peak_in_use_bytes:
-            self.peak_in_use_bytes = self.in_use_bytes
+    def add(self, key: int, reserved: int, in_use: int, requested: int, kind: int = 0) -> None:
+        """Count item ``key`` (replacing what it counted before)."""
+        self._live[key] = (reserved, in_use, requested, kind)
+        self._sum += in_use
+        if self._sum > self.peak_in_use_bytes:
+            self.peak_in_use_bytes = self._sum
+        if _TOTAL_SUM[0] + in_use > _TOTAL_PEAK[0]:
+            _TOTAL_PEAK[0] = _TOTAL_SUM[0] + in_use
+        _TOTAL_SUM[0] += in_use
+
+    def remove(self, key: int) -> bool:
+        """Uncount item ``key``; False if it was not counted (already removed)."""
+        entry = self._live.pop(key, None)
+        if entry is None:
+            return False
+        self._sum -= entry[1]
+        _TOTAL_SUM[0] -= entry[1]
+        return True
+
+    def counts(self, key: int) -> bool:
+        return key in self._live
+
+    def count(self, kind: int) -> int:
+        """How many live items are of ``kind``."""
+        return sum(1 for e in list(self._live.values()) if e[3] == kind)
+
+    def sums(self) -> tuple[int, int, int]:
+        """(reserved, in use, requested) bytes of the live items, exact."""
+        reserved = in_use = requested = 0
+        for r, u, q, _ in list(self._live.values()):
+            reserved, in_use, requested = reserved + r, in_use + u, requested + q
+        self._sum = in_use  # (the running sum, made exact again)
+        return reserved, in_use, requested
 
     def snapshot(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in self.__slots__}
+        reserved, in_use, requested = self.sums()
+        return {"reserved_bytes": reserved, "in_use_bytes": in_use,
+                "peak_in_use_bytes": max(self.peak_in_use_bytes, in_use),
+                "requested_bytes": requested, "waits": self.waits, "pins": self.pins}
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.snapshot()["reserved_bytes"]
+
+    @property
+    def in_use_bytes(self) -> int:
+        return self.snapshot()["in_use_bytes"]
+
+    @property
+    def requested_bytes(self) -> int:
+        return self.snapshot()["requested_bytes"]
 
 
-TOTALS = Counters()  # the whole process: every device, and regions that know no device
+_ACCOUNTS: weakref.WeakSet[Counters] = weakref.WeakSet()  # every device's ledger
+_TOTAL_SUM = [0]  # running in-use bytes of the whole process, for its peak
+_TOTAL_PEAK = [0]
 
 
-def _each(account: Counters | None) -> tuple[Counters, ...]:
-    return (TOTALS,) if account is None else (TOTALS, account)
+class _Totals:
+    """The whole process (``host_memory_stats()``): the sum of every device's ledger and of
+    :data:`NO_DEVICE`, read when asked; waits and pins are counted here too."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+        self.pins = 0
+
+    def reset(self) -> None:
+        self.waits = self.pins = 0
+        _TOTAL_SUM[0] = _TOTAL_PEAK[0] = 0
+        for account in list(_ACCOUNTS):
+            account.reset()
+
+    def snapshot(self) -> dict[str, int]:
+        reserved = in_use = requested = 0
+        for account in list(_ACCOUNTS):
+            r, u, q = account.sums()
+            reserved, in_use, requested = reserved + r, in_use + u, requested + q
+        _TOTAL_SUM[0] = in_use
+        return {"reserved_bytes": reserved, "in_use_bytes": in_use,
+                "peak_in_use_bytes": max(_TOTAL_PEAK[0], in_use),
+                "requested_bytes": requested, "waits": self.waits, "pins": self.pins}
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.snapshot()["reserved_bytes"]
+
+    @property
+    def in_use_bytes(self) -> int:
+        return self.snapshot()["in_use_bytes"]
+
+    @property
+    def requested_bytes(self) -> int:
+        return self.snapshot()["requested_bytes"]
+
+
+TOTALS = _Totals()
+NO_DEVICE = Counters()  # regions made without a device's account
+
+
+def ledger(account: Counters | None) -> Counters:
+    return NO_DEVICE if account is None else account
+
+
+def count_pin(account: Counters | None) -> None:
+    """One more pinning (a statistic: an interrupt may lose one, never a byte)."""
+    TOTALS.pins += 1
+    ledger(account).pins += 1
+
+
+def count_wait(account: Counters | None) -> None:
+    TOTALS.waits += 1
+    ledger(account).waits += 1
 
 
 class Parking:
-    """Dropped pinned memory of one device, waiting to be fenced and given back.
+    """Pinned memory of one device whose tensors are gone, waiting to be fenced and given back.
 
-    ``park(item)`` runs from ``__del__`` (no lock: a deque append is atomic); the device state
-    takes ``dead`` items, fences them on the stream current at the drop and on every stream
-    pinstage used, and calls ``item.finish()`` once those fences have completed.
-    ``current_stream``: the device's current stream (weakly held owner: when it is gone,
-    nothing is parked and items are freed at once)."""
+    The NumPy base of each allocation's tensors is a handle with no ``__del__``; ``track``
+    watches it through a weak reference whose callback is ``dead.append`` itself, so when the
+    last tensor dies CPython queues the reference in C, with no Python code an interrupt could
+    skip (a ``__del__`` can be interrupted before its first line). The device state takes the
+    dead ones, fences them on its streams and calls ``finish()`` on their memory once the
+    fences have completed. Closed (``open`` False: the device is gone), memory is given back
+    as soon as its handle dies."""
 
-    def __init__(self, current_stream: Callable[[], Any]) -> None:
-        self.dead: deque[Any] = deque()
-        self._stream = weakref.WeakMethod(current_stream) if hasattr(current_stream,
-                                                                      "__self__") else \
-            (lambda: current_stream)
+    def __init__(self) -> None:
+        self.dead: deque[weakref.ref[Any]] = deque()
+        self.live: dict[weakref.ref[Any], Any] = {}  # a handle's reference -> its memory
         self.open = True
 
-    def park(self, item: Any) -> bool:
-        """Park ``item`` (``False``: the device is gone; the caller frees it now)."""
-        if not self.open:
-            return False
-        fn = self._stream()
-        if fn is None:
-            return False
+    def track(self, handle: Any, memory: Any) -> None:
+        """Give ``memory`` back through this parking once ``handle`` is gone."""
+        if self.open:
+            self.live[weakref.ref(handle, self.dead.append)] = memory  # (one step)
+        else:
+            orphan(handle, memory)
+
+    def dead_memory(self) -> list[Any]:
+        live = self.live
+        return [m for m in (live.get(r) for r in list(self.dead)) if m is not None]
+
+    def close(self) -> None:
+        """No device any more: its memory goes back with no fence, at the next
+        :func:`drain_orphans` once its handle is gone. Takes no lock (it may run from a
+        collector)."""
+        self.open = False
+        for ref, memory in list(self.live.items()):
+            handle = ref()
+            if handle is None:
+                _ORPHANED.append(memory)
+            else:
+                orphan(handle, memory)
+        self.live.clear()
+        self.dead.clear()
+
+
+# Memory with no device to fence on: given back by drain_orphans, from pinstage's own calls
+# and never from a collector (a finalizer may run while any lock is held: taking LOCK there
+# could deadlock with a thread that holds LOCK and waits for that lock).
+_ORPHANED: deque[Any] = deque()  # memory to finish
+_ORPHAN_DEAD: deque[weakref.ref[Any]] = deque()  # handles gone (queued in C by the callback)
+_ORPHAN_LIVE: dict[weakref.ref[Any], Any] = {}  # handle's reference -> its memory
+
+
+def orphan(handle: Any, memory: Any) -> None:
+    """Finish ``memory`` (no fence needed) once ``handle`` is gone."""
+    _ORPHAN_LIVE[weakref.ref(handle, _ORPHAN_DEAD.append)] = memory
+
+
+def orphan_all(memory: Any) -> None:
+    """Finish each of ``memory`` (no fence needed) at the next :func:`drain_orphans`."""
+    _ORPHANED.extend(memory)
+
+
+def drain_orphans() -> None:
+    """Finish the orphaned memory whose handles are gone (idempotent steps)."""
+    while _ORPHAN_DEAD:
+        memory = _ORPHAN_LIVE.pop(_ORPHAN_DEAD[0], None)
+        if memory is not None:
+            _ORPHANED.append(memory)
+        _ORPHAN_DEAD.popleft()
+    while _ORPHANED:
         try:
-            item.drop_stream = fn()
-        except Exception:  # noqa: BLE001 - fenced on the streams pinstage has seen
-            item.drop_stream = None
-        self.dead.append(item)
-        return True
+            _ORPHANED[0].finish()
+        except Exception:  # noqa: BLE001 - its device is gone: nothing more to do for it
+            pass
+        _ORPHANED.popleft()
 
 
-class HostRegion:
-    """Host memory of an exact size, optionally pinned through callbacks.
+_UNPINNED, _PINNING, _PINNED = 0, 1, 2
 
-    ``page_aligned`` (for memory a driver will register): its own private ``mmap`` (a forked
-    child never writes into the parent's pages), rounded to the page. Otherwise 64-byte
-    aligned. ``as_tensor()`` returns a zero-filled uint8 tensor whose NumPy base is this
-    object. With ``parking``, when the last tensor dies the memory waits there for the device
-    and is unpinned only once the device work queued before has completed; without it, it is
-    unpinned at once (the caller vouches that no device work reads it). Counted in
-    :data:`TOTALS` and in ``account`` (its device's counters).
-    """
 
-    def __init__(
-        self,
-        nbytes: int,
-        *,
-        pin: Callable[[int, int], None] | None = None,
-        unpin: Callable[[int, int], None] | None = None,
-        on_free: Callable[[HostRegion], None] | None = None,
-        requested: int | None = None,
-        in_use: bool = True,
-        page_aligned: bool = True,
-        account: Counters | None = None,
-        parking: Parking | None = None,
-    ) -> None:
+class _Pages:
+    """The memory behind a :class:`HostRegion`: the mapping, its registration with the driver
+    and its ledger entry. It outlives the region's handle until the device is done with it."""
+
+    __slots__ = ("key", "nbytes", "size", "ptr", "requested", "in_use", "pinned", "_mm",
+                 "_buf", "_unpin", "_account", "_gen", "done")
+    portable = False
+
+    def __init__(self, nbytes: int, page_aligned: bool, unpin: Callable[[int, int], None] | None,
+                 requested: int | None, in_use: bool, account: Counters | None) -> None:
+        self.key = next(KEYS)  # its entry in its account's ledger
+        self.done = False  # finished: unpinned, uncounted, closed
         self.nbytes = int(nbytes)
-        self._alive = False
+        self.requested = self.nbytes if requested is None else requested
+        self.in_use = in_use
+        self._account = account
+        self._gen = GEN[0]
+        self._unpin = unpin
+        self.pinned = _UNPINNED if unpin is None else _PINNED  # (unpin only: pinned already)
         self._mm: mmap.mmap | None = None
         self._buf: np.ndarray | None = None
-        self._account = account
-        self._parking = parking
-        self._gen = GEN[0]
-        self.drop_stream: Any = None
         if page_aligned:
             self.size = max(PAGE, (self.nbytes + PAGE - 1) // PAGE * PAGE)
             # zero-filled, page-aligned, private (a forked child gets copy-on-write pages),
@@ -174,102 +325,125 @@ class HostRegion:
             self.size = max(ALIGN, align_up(self.nbytes))
             self._buf = np.zeros(self.size + ALIGN, dtype=np.uint8)
             self.ptr = align_up(self._buf.ctypes.data)
-        self._unpin = unpin
-        self._on_free = on_free
-        self._requested = self.nbytes if requested is None else requested
-        self._in_use = in_use
-        if pin is not None:
-            try:
-                pin(self.ptr, self.size)
-            except BaseException:
-                with LOCK.lock:
-                    for c in _each(account):
-                        c.pins += 1
-                self._close()
-                raise
-        with LOCK.lock:
-            for c in _each(account):
-                c.pins += 1
-                c.reserved_bytes += self.size
-                if in_use:
-                    c.use(self.size, self._requested)
-            self._alive = True
+
+    def finish(self) -> None:
+        """Unpin, uncount and release now (the device no longer reads this memory).
+        Idempotent, and safe to call again after an interrupt: each step happens once."""
+        with LOCK.lock: self._finish_locked()  # noqa: E701 - (one line: see the module doc)
+
+    def _finish_locked(self) -> None:
+        if self.done:
+            return
+        if self._gen != GEN[0]:  # memory pinned before a fork is not the child's
+            self.pinned, self.done = _UNPINNED, True
+            return
+        if self.pinned != _UNPINNED and self._unpin is not None:
+            if self.pinned == _PINNING:  # interrupted while registering: it may not be
+                try:
+                    self._unpin(self.ptr, self.size)
+                except Exception:  # noqa: BLE001 - (it was not registered after all)
+                    pass
+                self.pinned = _UNPINNED
+            else:
+                self.pinned = (self._unpin(self.ptr, self.size), _UNPINNED)[1]
+        ledger(self._account).remove(self.key)
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+        self._buf = None
+        self.done = True
+
+
+class HostRegion:
+    """Host memory of an exact size, optionally pinned through callbacks.
+
+    ``page_aligned`` (for memory a driver will register): its own private ``mmap`` (a forked
+    child never writes into the parent's pages), rounded to the page. Otherwise 64-byte
+    aligned. ``as_tensor()`` returns a zero-filled uint8 tensor whose NumPy base is this
+    object. With ``parking``, when the last tensor (and this object) is gone the memory waits
+    there for the device and is unpinned only once the device work queued before has
+    completed; without it, it is unpinned at the next pinstage call that collects (the caller
+    vouches that no device work reads it). Counted in ``account`` (its device's counters) and
+    so in :data:`TOTALS`.
+
+    Interrupt-safe: the memory is tracked (given back when this object dies) before it is
+    pinned or counted, so an interrupt anywhere in between leaks nothing.
+    """
+
+    def __init__(
+        self,
+        nbytes: int,
+        *,
+        pin: Callable[[int, int], None] | None = None,
+        unpin: Callable[[int, int], None] | None = None,
+        requested: int | None = None,
+        in_use: bool = True,
+        page_aligned: bool = True,
+        account: Counters | None = None,
+        parking: Parking | None = None,
+    ) -> None:
+        pages = self._pages = _Pages(nbytes, page_aligned, unpin, requested, in_use, account)
+        self.nbytes, self.size, self.ptr = pages.nbytes, pages.size, pages.ptr
         self.__array_interface__ = {
             "data": (self.ptr, False),
             "shape": (self.nbytes,),
             "typestr": "|u1",
             "version": 3,
         }
+        if parking is not None:  # from here on it goes back when this object dies
+            parking.track(self, pages)
+        else:
+            orphan(self, pages)
+        if pin is not None:
+            count_pin(account)
+            pages.pinned = _PINNING
+            try:
+                pages.pinned = (pin(self.ptr, self.size), _PINNED)[1]
+            except BaseException:
+                if pages.pinned == _PINNING:  # (the driver refused: nothing is registered)
+                    pages.pinned = _UNPINNED
+                pages.finish()
+                raise
+        ledger(account).add(pages.key, self.size, self.size if in_use else 0,
+                            pages.requested if in_use else 0)
 
     def as_tensor(self) -> torch.Tensor:
         return torch.from_numpy(np.asarray(self))
 
-    def _close(self) -> None:
-        if self._mm is not None:
-            self._mm.close()
-            self._mm = None
-        self._buf = None
-
     def finish(self) -> None:
-        """Unpin and release now (the device no longer reads this memory)."""
-        if not self._alive:
-            return
-        self._alive = False
-        try:
-            if self._gen == GEN[0]:  # memory pinned before a fork is not the child's
-                try:
-                    if self._unpin is not None:
-                        self._unpin(self.ptr, self.size)
-                    if self._on_free is not None:
-                        self._on_free(self)
-                finally:
-                    with LOCK.lock:
-                        for c in _each(self._account):
-                            c.reserved_bytes -= self.size
-                            if self._in_use:
-                                c.in_use_bytes -= self.size
-                                c.requested_bytes -= self._requested
-        finally:
-            self._close()
-
-    def __del__(self) -> None:
-        try:
-            if not self._alive:
-                return
-            parking = self._parking
-            if parking is None or self._gen != GEN[0] or not parking.park(self):
-                self.finish()
-        except BaseException:  # noqa: BLE001 - interpreter shutdown: the driver may be gone
-            pass
+        """Unpin and release now (see ``_Pages.finish``)."""
+        self._pages.finish()
 
 
 class Lease:
-    """One hand-out of a pooled pinned slab: the NumPy base of the tensor a caller gets. When
-    the caller's last view dies, the slab goes back to the pool after the device is done."""
+    """The NumPy base of the tensor ``np_to_pinned_tensor`` hands out, over a pooled pinned
+    slab. No ``__del__``: when the caller's last view dies, the pool's parking notices (see
+    :class:`Parking`) and the slab goes back to the pool after the device is done."""
 
-    __slots__ = ("slab", "nbytes", "pool", "drop_stream", "__array_interface__", "_gen",
-                 "__weakref__")
+    __slots__ = ("__array_interface__", "__weakref__")
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__array_interface__ = {"data": (ptr, False), "shape": (nbytes,), "typestr": "|u1",
+                                    "version": 3}
+
+
+class _Loan:
+    """A slab lent out by a :class:`PinnedPool` (the memory behind a :class:`Lease`)."""
+
+    __slots__ = ("key", "slab", "nbytes", "pool", "_gen")
     portable = True  # handed to the caller, who may copy it to any device
 
     def __init__(self, slab: torch.Tensor, nbytes: int, pool: PinnedPool) -> None:
+        self.key = next(KEYS)  # its entry in the pool's account
         self.slab = slab
         self.nbytes = nbytes
         self.pool = pool
-        self.drop_stream: Any = None
         self._gen = GEN[0]
-        self.__array_interface__ = {"data": (slab.data_ptr(), False), "shape": (nbytes,),
-                                    "typestr": "|u1", "version": 3}
 
     def finish(self) -> None:
+        """Give the slab back to the pool (idempotent)."""
         if self._gen == GEN[0]:
             self.pool.put(self)
-
-    def __del__(self) -> None:
-        try:
-            if self._gen == GEN[0] and not self.pool.parking.park(self):
-                self.pool.put(self)  # the device is gone: nothing reads the slab any more
-        except BaseException:  # noqa: BLE001 - interpreter shutdown
-            pass
 
 
 class PinnedPool:
@@ -286,45 +460,51 @@ class PinnedPool:
         self.parking = parking
         self.free: list[torch.Tensor] = []  # sorted by size
         self.free_bytes = 0
-        self.leased = 0
 
     def take(self, nbytes: int) -> Lease:
+        """A lease of ``nbytes``: counted once it is tracked, so an interrupt anywhere loses
+        nothing (a slab taken from the free list and not lent is simply freed)."""
         need = align_up(max(nbytes, 1))
-        slab = self._pop(need)
+        with LOCK.lock: slab = self._pop(need)  # noqa: E701 - one line (see module doc)
         if slab is None:
             slab = self.alloc(need)
-        lease = Lease(slab, nbytes, self)
-        with LOCK.lock:
-            for c in _each(self.account):
-                c.use(slab.numel(), nbytes)
-            self.leased += 1
+        loan = _Loan(slab, nbytes, self)
+        lease = Lease(slab.data_ptr(), nbytes)
+        self.parking.track(lease, loan)
+        with LOCK.lock: self._lend(loan)  # noqa: E701
         return lease
 
+    @property
+    def leased(self) -> int:
+        """Leases handed out and not back yet."""
+        return self.account.count(LEASE)
+
+    def _lend(self, loan: _Loan) -> None:
+        self.account.add(loan.key, 0, loan.slab.numel(), loan.nbytes, LEASE)
+
     def _pop(self, need: int) -> torch.Tensor | None:
-        with LOCK.lock:
-            for i, slab in enumerate(self.free):
-                size = slab.numel()
-                if size >= need:
-                    if size > max(2 * need, need + PAGE):
-                        return None
-                    del self.free[i]
-                    self.free_bytes -= size
-                    return slab
+        for i, slab in enumerate(self.free):
+            size = slab.numel()
+            if size >= need:
+                if size > max(2 * need, need + PAGE):
+                    return None
+                slab, self.free_bytes = self.free.pop(i), self.free_bytes - size
+                return slab
         return None
 
-    def put(self, lease: Lease) -> None:
-        slab = lease.slab
+    def put(self, loan: _Loan) -> None:
+        with LOCK.lock: self._put(loan)  # noqa: E701 - one line (see module doc)
+
+    def _put(self, loan: _Loan) -> None:
+        if not self.account.remove(loan.key):
+            return  # (back already, or never lent)
+        slab = loan.slab
         size = slab.numel()
-        with LOCK.lock:
-            for c in _each(self.account):
-                c.in_use_bytes -= size
-                c.requested_bytes -= lease.nbytes
-            self.leased -= 1
-            if self.free_bytes + size <= POOL_KEEP_BYTES:
-                sizes = [s.numel() for s in self.free]
-                i = next((k for k, s in enumerate(sizes) if s > size), len(sizes))
-                self.free.insert(i, slab)
-                self.free_bytes += size
+        if self.free_bytes + size <= POOL_KEEP_BYTES:
+            sizes = [s.numel() for s in self.free]
+            i = next((k for k, s in enumerate(sizes) if s > size), len(sizes))
+            self.free.insert(i, slab)
+            self.free_bytes += size  # (a cap: an interrupt between the two only misjudges it)
 
 
 # --------------------------------------------------------------------------------------------

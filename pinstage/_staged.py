@@ -37,7 +37,7 @@ from ._dtypes import check_dtype, check_shape, itemsize, torch_to_numpy
 from ._errors import NotANumberError, ValueOverflowError, describe
 from ._host import align_up
 from ._registry import get_backend
-from ._state import DeviceState, device_state
+from ._state import DeviceState, device_state, renew_locks_after_fork
 
 __all__ = ["StagedWriteTensor", "FusedStagedWriter", "SUPPORTED_DTYPES"]
 
@@ -211,8 +211,9 @@ def _apply(backend: Backend, batches: Sequence[_TableBatch], scratch: _Scratch, 
         for part in _halves(batches):
             _apply(backend, part, scratch, label)
         return
-    region = arena.alloc(nbytes)
-    try:
+    # released on leaving (fenced by an event after the kernel that reads it), whatever
+    # happens: an interrupt that skips the release gives the region back through its owner
+    with arena.staging(nbytes) as region:
         block = region.block
         _fill(block.np[region.start : region.start + nbytes], batches, layout)
         if caps.uva:
@@ -221,8 +222,6 @@ def _apply(backend: Backend, batches: Sequence[_TableBatch], scratch: _Scratch, 
             dev = scratch.device_bytes(backend, nbytes)
             backend.copy_h2d(dev, region.tensor(nbytes), pinned=True)  # host -> device
         _launch(backend, dev, batches, layout)
-    finally:
-        arena.release(region)  # fenced by an event after the kernel that reads it
 
 
 def _halves(batches: Sequence[_TableBatch]) -> tuple[list[_TableBatch], list[_TableBatch]]:
@@ -311,13 +310,13 @@ class StagedWriteTensor:
         if backend.checks_deferred_reads:
             self._append = functools.partial(_append_snapshot, self._staged, dtype, {})
         self._lock = threading.Lock()  # apply/clear; staging needs none (one list append)
+        renew_locks_after_fork(self, "_lock")
         self._scratch = _Scratch()
 
     # -- staging -----------------------------------------------------------------------------
     def clear_staged_writes(self) -> None:
         """Drop every staged write."""
-        with self._lock:
-            del self._staged[:]
+        with self._lock: del self._staged[:]  # noqa: E701 - (one line: see _host)
 
     @property
     def num_staged(self) -> int:
@@ -444,13 +443,17 @@ class StagedWriteTensor:
     def apply_write(self) -> None:
         """Enqueue device work that makes every staged write visible in ``.gpu``, in staging
         order; clears the staged list. At most one host-to-device copy for the batch."""
-        with self._lock:
-            label = "StagedWriteTensor.apply_write"
-            batch = self._batch(label)
-            if batch is None:
-                return
-            _apply(self._backend, [batch], self._scratch, label)
-            del self._staged[: batch.count]  # only once queued: a failed apply keeps them
+        # (one line: the lock's own __exit__ runs whatever interrupts the apply; see _host)
+        with self._lock: self._apply_locked("StagedWriteTensor.apply_write")  # noqa: E701
+
+    def _apply_locked(self, label: str) -> None:
+        batch = self._batch(label)
+        if batch is None:
+            return
+        _apply(self._backend, [batch], self._scratch, label)
+        # only once queued, so a failed apply keeps them (interrupted between the two lines,
+        # they are applied again by the next apply: the same values in the same order)
+        del self._staged[: batch.count]
 
 
 class FusedStagedWriter:
@@ -472,6 +475,7 @@ class FusedStagedWriter:
         self.device = self._backend.device
         self._scratch = _Scratch()
         self._lock = threading.Lock()
+        renew_locks_after_fork(self, "_lock")
 
     def apply(self, tensors: Sequence[StagedWriteTensor], output_ptrs: Any = None,
               output_strides: Any = None) -> None:
@@ -490,17 +494,22 @@ class FusedStagedWriter:
                                  f"writes to {self.device}")
             if all(t is not u for u in tables):
                 tables.append(t)
-        locks = [t._lock for t in sorted(tables, key=id)]  # one global order: no deadlock
-        with self._lock:
-            for lk in locks:
-                lk.acquire()
-            try:
-                label = "FusedStagedWriter.apply"
-                batches = [b for b in (t._batch(label) for t in tables) if b is not None]
-                if batches:
-                    _apply(self._backend, batches, self._scratch, label)
-                    for b in batches:
-                        del b.table._staged[: b.count]
-            finally:
-                for lk in reversed(locks):
-                    lk.release()
+        locks = [self._lock, *(t._lock for t in sorted(tables, key=id))]  # one order: no deadlock
+        _holding(locks, lambda: self._apply_locked(tables))
+
+    def _apply_locked(self, tables: list[StagedWriteTensor]) -> None:
+        label = "FusedStagedWriter.apply"
+        batches = [b for b in (t._batch(label) for t in tables) if b is not None]
+        if batches:
+            _apply(self._backend, batches, self._scratch, label)
+            for b in batches:  # (interrupted midway: the rest are applied again next time)
+                del b.table._staged[: b.count]
+
+
+def _holding(locks: Sequence[Any], fn: Any) -> Any:
+    """``fn()`` with every lock of ``locks`` held, taken in order. Each is held by a one-line
+    ``with`` (its C-level ``__exit__`` always runs): an exception anywhere, even while waiting
+    for the next lock, releases every lock already taken."""
+    if not locks:
+        return fn()
+    with locks[0]: return _holding(locks[1:], fn)  # noqa: E701 - (one line: see _host)

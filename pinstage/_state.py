@@ -31,7 +31,17 @@ import torch
 from ._arena import StagingArena, staging_limit
 from ._device import DONE, AllOf, Backend, Event, Fence, Probe
 from ._errors import CaptureError
-from ._host import GEN, LOCK, TOTALS, Counters, HostRegion, Parking, PinnedPool
+from ._host import (
+    GEN,
+    LOCK,
+    TOTALS,
+    Counters,
+    HostRegion,
+    Parking,
+    PinnedPool,
+    drain_orphans,
+    orphan_all,
+)
 from ._registry import forget_resolved, get_backend
 
 __all__ = ["DeviceState", "device_state", "host_memory_stats", "on_fork_child", "all_states",
@@ -40,9 +50,17 @@ __all__ = ["DeviceState", "device_state", "host_memory_stats", "on_fork_child", 
 MAX_STREAMS = 8  # streams remembered per device for fencing parked memory
 
 _STATES: weakref.WeakKeyDictionary[Backend, DeviceState] = weakref.WeakKeyDictionary()
-_EVENTS: weakref.WeakSet[Any] = weakref.WeakSet()  # every event made (kept alive after fork)
+# Every event made, weakly (plain references: no callback runs when one dies, so nothing an
+# interrupt could break), kept alive in a forked child.
+_EVENTS: list[weakref.ref[Any]] = []
 _GRAVEYARD: list[Any] = []  # a forked child's inherited events: never used, never destroyed
 _FORK_RESETS: list[Callable[[], None]] = []
+
+
+def _note_event(event: Any) -> None:
+    if len(_EVENTS) >= 64 and len(_EVENTS) & (len(_EVENTS) - 1) == 0:  # at powers of two
+        _EVENTS[:] = [r for r in _EVENTS if r() is not None]
+    _EVENTS.append(weakref.ref(event))
 
 
 class EventFence(Fence):
@@ -111,8 +129,6 @@ class DeviceState:
         self.extra_arenas: weakref.WeakSet[StagingArena] = weakref.WeakSet()
         self._probe: Probe | None = None  # platform facts: kept across fork
         self._init_runtime(backend)
-        fin = weakref.finalize(backend, _orphan, self.parking, self.parked)
-        fin.atexit = False
 
     def _init_runtime(self, backend: Backend) -> None:
         """The parts a forked child makes anew."""
@@ -120,10 +136,12 @@ class DeviceState:
         self._arena: StagingArena | None = None
         self.free_events: list[Any] = []
         self.streams: dict[Any, None] = {}  # streams pinstage fenced on, oldest first
-        self.parking = Parking(backend.current_stream)
-        self.parked: list[tuple[Any, Fence]] = []  # (item, fence) waiting for the device
+        self.parking = Parking()
+        self.parked: list[tuple[Any, Fence]] = []  # (memory, fence) waiting for the device
         self.pool = PinnedPool(lambda n: self.alloc_pinned(n, in_use=False), self.stats,
                                self.parking)
+        fin = weakref.finalize(backend, _orphan, self.parking, self.parked)
+        fin.atexit = False
 
     @property
     def backend(self) -> Backend | None:
@@ -140,13 +158,13 @@ class DeviceState:
         """The backend's probe, run once."""
         probe = self._probe
         if probe is None:
-            with self._lock:
-                probe = self._probe
-                if probe is None:
-                    backend = self._live_backend()
-                    probe = self._probe = backend.probe(
-                        lambda n: self.alloc_pinned(n, in_use=False))
+            with self._lock: probe = self._probe_locked()  # noqa: E701 - (one line: see _host)
         return probe
+
+    def _probe_locked(self) -> Probe:
+        if self._probe is None:
+            self._probe = self._live_backend().probe(lambda n: self.alloc_pinned(n, in_use=False))
+        return self._probe
 
     # -- memory ------------------------------------------------------------------------------
     def alloc_pinned(self, nbytes: int, *, in_use: bool = True) -> torch.Tensor:
@@ -174,12 +192,13 @@ class DeviceState:
         """This device's pinned staging arena, made on first use."""
         arena = self._arena
         if arena is None:
-            with self._lock:
-                arena = self._arena
-                if arena is None:
-                    limit = staging_limit(self.probe().staging_limit)
-                    arena = self._arena = StagingArena(self, limit)
+            with self._lock: arena = self._arena_locked()  # noqa: E701 - (one line)
         return arena
+
+    def _arena_locked(self) -> StagingArena:
+        if self._arena is None:
+            self._arena = StagingArena(self, staging_limit(self.probe().staging_limit))
+        return self._arena
 
     def arena_if_made(self) -> StagingArena | None:
         return self._arena
@@ -191,6 +210,7 @@ class DeviceState:
         import numpy as np
 
         self.collect()
+        self.note_reader()  # (the caller copies it on this stream, most likely: fence there)
         lease = self.pool.take(nbytes)
         return torch.from_numpy(np.asarray(lease))
 
@@ -205,7 +225,7 @@ class DeviceState:
         except IndexError:
             event = backend.new_event()
             try:
-                _EVENTS.add(event)
+                _note_event(event)
             except TypeError:  # not weak-referenceable: nothing to keep alive after fork
                 pass
         try:
@@ -241,8 +261,7 @@ class DeviceState:
             return
         stream = backend.current_stream()
         if stream not in self.streams:
-            with LOCK.lock:
-                self.note_stream(stream)
+            with LOCK.lock: self.note_stream(stream)  # noqa: E701 - (one line)
 
     def wait(self, fence: Fence) -> None:
         """The host waits for ``fence``; counted as a stall when the work was not done."""
@@ -253,32 +272,44 @@ class DeviceState:
     # -- parked memory -----------------------------------------------------------------------
     def collect(self) -> None:
         """Fence newly dropped memory; give back what the device has finished reading."""
-        dead = self.parking.dead
+        drain_orphans()  # (memory of devices that are gone: cheap when there is none)
+        parking = self.parking
+        dead = parking.dead
         if not (dead or self.parked) or self.capture_underway():
             return  # (nothing to do, or no event may be recorded or queried now)
-        finished = []
-        with LOCK.lock:
-            while dead:
-                item = dead[0]
-                self.parked.append((item, self._drop_fence(item)))
-                dead.popleft()
-            keep = []
-            for item, fence in self.parked:
-                if fence.done():
-                    finished.append(item)
-                else:
-                    keep.append((item, fence))
-            self.parked[:] = keep
-        for item in finished:
-            item.finish()
+        while dead:
+            fence = self._drop_fence(parking.live.get(dead[0]))
+            with LOCK.lock: self._park(fence)  # noqa: E701 - (one line)
+        for entry in list(self.parked):
+            if entry[1].done():
+                entry[0].finish()  # (idempotent: an interrupt before the next line is harmless)
+                with LOCK.lock: self._unpark(entry)  # noqa: E701
 
-    def _drop_fence(self, item: Any) -> Fence:
-        """Fences on the stream current when ``item`` was dropped and on every stream seen."""
-        if self.backend is None:
+    def _park(self, fence: Fence) -> None:
+        """Move the first dead memory to ``parked``. Each step can be repeated: interrupted
+        midway, the memory is parked twice (finishing is idempotent), never lost."""
+        dead, live = self.parking.dead, self.parking.live
+        if not dead:
+            return  # (another thread parked it meanwhile)
+        ref = dead[0]
+        memory = live.get(ref)
+        if memory is not None:
+            self.parked.append((memory, fence))
+            del live[ref]
+        dead.popleft()
+
+    def _unpark(self, entry: tuple[Any, Fence]) -> None:
+        if entry in self.parked:
+            self.parked.remove(entry)
+
+    def _drop_fence(self, memory: Any) -> Fence:
+        """Fences on the current stream and on every stream seen (the drop was noticed after
+        it happened: whatever was queued before it is queued before these)."""
+        backend = self.backend
+        if backend is None or memory is None:
             return DONE
-        streams = [item.drop_stream] if item.drop_stream is not None else []
-        fence = self.fence_streams([*streams, *self.streams])
-        if not getattr(item, "portable", False):
+        fence = self.fence_streams([backend.current_stream(), *self.streams])
+        if not getattr(memory, "portable", False):
             return fence
         others = [fence]  # any device may have read it: fence every other device too
         for state in all_states():
@@ -290,21 +321,25 @@ class DeviceState:
 
     def pending(self) -> list[Any]:
         """What is dropped or parked now (to pass to ``release_synced`` after a full sync)."""
-        with LOCK.lock:
-            return [*self.parking.dead, *(item for item, _ in self.parked)]
+        with LOCK.lock: return [*self.parking.dead_memory(), *(m for m, _ in self.parked)]  # noqa: E501,E701
 
     def release_synced(self, items: list[Any]) -> None:
         """Give back ``items`` at once: the device was synchronized after they were dropped,
         so every reader queued before has completed."""
-        ids = {id(i) for i in items}
-        dead = self.parking.dead
-        with LOCK.lock:
-            kept = [i for i in dead if id(i) not in ids]
-            dead.clear()
-            dead.extend(kept)
-            self.parked[:] = [(i, f) for i, f in self.parked if id(i) not in ids]
-        for item in items:
+        for item in items:  # first (finish is idempotent): an interrupt leaves the rest parked
             item.finish()
+        ids = {id(i) for i in items}
+        with LOCK.lock: self._unpark_all(ids)  # noqa: E701 - (one line)
+
+    def _unpark_all(self, ids: set[int]) -> None:
+        dead, live = self.parking.dead, self.parking.live
+        for ref in list(dead):
+            if id(live.get(ref)) in ids:
+                del live[ref]
+        kept = [r for r in dead if r in live]
+        dead.clear()
+        dead.extend(kept)
+        self.parked[:] = [(m, f) for m, f in self.parked if id(m) not in ids]
 
     def arenas(self) -> list[StagingArena]:
         made = [self._arena] if self._arena is not None else []
@@ -335,28 +370,29 @@ class DeviceState:
 
 
 def _orphan(parking: Parking, parked: list[tuple[Any, Fence]]) -> None:
-    """The device's backend is gone (a simulator closed, after running its queue): give back
-    what was parked for it."""
-    parking.open = False
-    items = [*parking.dead, *(item for item, _ in parked)]
-    parking.dead.clear()
+    """The device's backend is gone (a simulator closed, after running its queue): what was
+    parked for it goes back with no fence, at the next ``drain_orphans``. Takes no lock: it
+    may run from a collector, while any lock is held."""
+    parking.close()
+    orphan_all([memory for memory, _ in list(parked)])
     parked.clear()
-    for item in items:
-        try:
-            item.finish()
-        except Exception:  # noqa: BLE001 - runs from the collector; never raise there
-            pass
 
 
 def device_state(backend: Backend) -> DeviceState:
     """The state of ``backend``'s device (made on first use, one per backend)."""
     state = _STATES.get(backend)
     if state is None:
-        with LOCK.lock:
-            state = _STATES.get(backend)
-            if state is None:
-                state = _STATES[backend] = DeviceState(backend)
+        with LOCK.lock: state = _STATES.get(backend) or _STATES.setdefault(backend, DeviceState(backend))  # noqa: E501,E701
     return state
+
+
+def retire(backend: Backend) -> None:
+    """``backend`` does no more work (a simulator closed after running its queue): give back
+    what is parked for it now and stop fencing on it (later sessions never touch it)."""
+    state = _STATES.pop(backend, None)
+    if state is not None:
+        _orphan(state.parking, state.parked)
+    drain_orphans()
 
 
 def all_states() -> list[DeviceState]:
@@ -371,18 +407,17 @@ def host_memory_stats(device: Any = None) -> dict[str, int]:
     ``in_use_bytes`` counts only what the device may still read or callers still hold.
     Not the same keys as ``torch.cuda.host_memory_stats()``, which reports PyTorch's own
     caching host allocator (pinstage's memory is not in it, and it is not in pinstage's)."""
+    drain_orphans()
     if device is None:
         for state in all_states():
             try:
                 state.drain()
             except Exception:  # noqa: BLE001 - a device unusable now (a closed simulator's
                 pass  # CUDA stand-in): its parked memory stays parked; the totals still count
-        with LOCK.lock:
-            return TOTALS.snapshot()
+        with LOCK.lock: return TOTALS.snapshot()  # noqa: E701
     state = device_state(get_backend(device))
     state.drain()
-    with LOCK.lock:
-        return state.stats.snapshot()
+    with LOCK.lock: return state.stats.snapshot()  # noqa: E701
 
 
 # --------------------------------------------------------------------------------------------
@@ -394,6 +429,30 @@ def on_fork_child(reset: Callable[[], None]) -> None:
     _FORK_RESETS.append(reset)
 
 
+# Objects whose locks a forked child replaces: a table whose apply ran in a parent thread at the
+# moment of the fork would otherwise hold its lock for good in the child (that thread is not
+# there). Weak: registering keeps nothing alive.
+_LOCKED: weakref.WeakKeyDictionary[Any, tuple[str, ...]] = weakref.WeakKeyDictionary()
+
+
+def renew_locks_after_fork(obj: Any, *names: str) -> None:
+    """In a forked child, give ``obj`` fresh locks in the attributes ``names`` (unheld, of the
+    same kind), whatever the parent's threads were doing with them at the fork."""
+    _LOCKED[obj] = names
+
+
+def _renew_locks() -> None:
+    for obj, names in list(_LOCKED.items()):
+        for name in names:
+            old = getattr(obj, name, None)
+            if old is not None:
+                setattr(obj, name, threading.RLock() if _is_rlock(old) else threading.Lock())
+
+
+def _is_rlock(lock: Any) -> bool:
+    return type(lock) is type(threading.RLock())
+
+
 def _after_fork_in_child() -> None:
     """Fresh locks and empty per-process state: the threads that held them are not here. The
     parent's events stay referenced and unused (destroying one would call the driver in a
@@ -402,9 +461,10 @@ def _after_fork_in_child() -> None:
     GEN[0] += 1
     TOTALS.reset()
     forget_resolved()
-    _GRAVEYARD.extend(list(_EVENTS))
+    _GRAVEYARD.extend(e for e in (r() for r in list(_EVENTS)) if e is not None)
     for state in all_states():
         state.reset_after_fork()
+    _renew_locks()
     for reset in list(_FORK_RESETS):
         try:
             reset()
@@ -425,6 +485,10 @@ def _at_exit() -> None:
             state.drain()
         except BaseException:  # noqa: BLE001 - at exit the device may already be gone
             pass
+    try:
+        drain_orphans()
+    except BaseException:  # noqa: BLE001 - (as above)
+        pass
 
 
 if hasattr(os, "register_at_fork"):

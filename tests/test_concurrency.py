@@ -9,6 +9,7 @@ shows up as a wrong result, and an event recorded on the wrong stream as well.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import random
@@ -512,3 +513,44 @@ def test_fork_while_threads_upload_on_the_simulator(monkeypatch):
             return target.type == "cpu" and bool(np.array_equal(out.numpy(), data))
 
         _fork_while(hammer, child)
+
+
+@needs_fork
+@pytest.mark.timeout(240)
+def test_objects_made_before_a_fork_work_in_the_child():
+    """Issue 20: a table, a fused writer, a non-UVA buffer and a pool that parent threads are
+    using at the moment of the fork work in the child: their locks are made anew there (the
+    threads that held them are not in the child)."""
+    table = pinstage.StagedWriteTensor((8, 64), torch.int32, "cpu")
+    other = pinstage.StagedWriteTensor((8, 64), torch.int32, "cpu")
+    writer = pinstage.FusedStagedWriter("cpu", max_writes=64)
+    buf = pinstage.NonUvaBuffer((256,), torch.int64, "cpu")
+    pool = pinstage.UvaBufferPool((64,), torch.int64, max_concurrency=2, device="cpu")
+
+    def hammer(stop: threading.Event, i: int) -> None:
+        rows = list(range(1, 8))
+        while not stop.is_set():
+            if i % 3 == 0:
+                for r in rows:
+                    table.stage_write(r, 0, list(range(64)))
+                table.apply_write()
+            elif i % 3 == 1:
+                other.stage_write(1 + i % 7, 0, [i] * 64)
+                writer.apply([table, other])
+            else:
+                with contextlib.suppress(RuntimeError):  # two hammers share buf: busy is fine
+                    buf.uva()
+                pool.copy_to_uva(list(range(64)))
+
+    def child() -> bool:
+        table.stage_write(0, 0, [7] * 64)
+        table.apply_write()
+        other.stage_write(0, 0, [5] * 64)
+        writer.apply([table, other])
+        buf.cpu[:3] = torch.tensor([1, 2, 3])
+        up = buf.uva(3)
+        got = pool.copy_to_uva([9, 8])
+        return (table.gpu[0].tolist() == [7] * 64 and other.gpu[0].tolist() == [5] * 64
+                and up.tolist() == [1, 2, 3] and got.tolist() == [9, 8])
+
+    _fork_while(hammer, child, forks=60)

@@ -71,6 +71,7 @@ class Simulator(SimState):
         devices (everything that read it has run), then refuse further use."""
         for backend in list(self.backends.values()):
             _state.device_state(backend).collect()
+            _state.retire(backend)  # (its queue has run: nothing it parked is read any more)
         self.sched.closed = True
 
 

@@ -446,9 +446,15 @@ class Scheduler:
                 if dep_stream.done < dep_seq:
                     self.run_until(dep_stream, dep_seq)
             if stream.queue and stream.queue[0] is op:
-                stream.queue.popleft()
-                stream.done = op.seq
-                self._run_op(op)
+                # Retired once it has run: a host wait interrupted while it runs (Ctrl-C)
+                # leaves it queued, to run (again, from its start) at the next wait, as the
+                # device would have run it anyway. An error it raises retires it.
+                try:
+                    self._run_op(op)
+                except Exception:
+                    stream.done = (stream.queue.popleft(), op.seq)[1]
+                    raise
+                stream.done = (stream.queue.popleft(), op.seq)[1]
 
     def _run_op(self, op: Op) -> None:
         """Execute one op now (its dependencies are done): check its host reads, run it."""

@@ -568,7 +568,7 @@ def spread_to_new_threads(sim: SimState) -> None:
     def hook(frame: Any, event: str, arg: Any) -> Any:
         sys.setprofile(previous)  # the user's own profile hook, if any, takes over
         if not sim.closed:
-            enter_modes(sim)
+            _at_thread_exit.leave = _Leave(enter_modes(sim))
         return previous(frame, event, arg) if previous is not None else None  # type: ignore[arg-type]
 
     with _spread_lock:
@@ -577,6 +577,25 @@ def spread_to_new_threads(sim: SimState) -> None:
 
 
 _saved_profile: list[Any] = [None]
+
+
+class _Leave:
+    """Leaves a thread's modes when the thread ends (its thread-local data is cleared while
+    it still holds the GIL). Left in place, torch's thread-local mode stack would be freed
+    by the OS thread's C++ destructors after Python let go of it, and a race with interpreter
+    exit ends the process with ``terminate called without an active exception``."""
+
+    def __init__(self, leave: Callable[[], None]) -> None:
+        self._leave = leave
+
+    def __del__(self) -> None:
+        try:
+            self._leave()
+        except Exception:  # noqa: BLE001 - (the modes were left already)
+            pass
+
+
+_at_thread_exit = threading.local()
 
 
 def enter_modes(sim: SimState) -> Callable[[], None]:
