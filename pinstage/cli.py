@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
-from . import __version__
+from ._version import __version__
 
 __all__ = ["UsageError", "device_problem", "main"]
 
