@@ -82,6 +82,9 @@ __all__ = [
 ]
 
 
+PIN_MEMORY: bool  # for type checkers only: the value comes from __getattr__, when read
+
+
 def __getattr__(name: str) -> Any:
     # vLLM's module-level PIN_MEMORY, evaluated when read (never at import).
     if name == "PIN_MEMORY":
