@@ -25,8 +25,8 @@ from ._logging import warn
 from ._registry import get_backend
 from ._state import device_state, on_fork_child
 
-__all__ = ["Capabilities", "capabilities", "capabilities_for", "is_pin_memory_available",
-           "is_uva_available", "staging_limit_in_force"]
+__all__ = ["Capabilities", "capabilities", "capabilities_for", "check_policies",
+           "is_pin_memory_available", "is_uva_available", "staging_limit_in_force"]
 
 _POLICY_VALUES = ("auto", "0", "1")
 
@@ -101,6 +101,12 @@ def _policy(name: str) -> str:
     if value not in _POLICY_VALUES:
         raise ValueError(f"{name}={raw!r} is not a valid setting: expected 'auto', '0' or '1'")
     return value
+
+
+def check_policies() -> None:
+    """Raise ``ValueError`` naming the first invalid ``PINSTAGE_PIN_MEMORY``/``PINSTAGE_UVA``."""
+    _policy("PINSTAGE_PIN_MEMORY")
+    _policy("PINSTAGE_UVA")
 
 
 _ENV_NAMES = ("PINSTAGE_PIN_MEMORY", "PINSTAGE_UVA", "PINSTAGE_STAGING_LIMIT")

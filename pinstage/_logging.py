@@ -20,6 +20,10 @@ _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 logger = logging.getLogger("pinstage")
 
+# an invalid PINSTAGE_LOG_LEVEL found at import: said with the first warning (it only matters
+# once something is logged; `pinstage doctor` reports it as a usage error)
+_env_error: str | None = None
+
 
 def level_from_env() -> int | None:
     """The level ``PINSTAGE_LOG_LEVEL`` names (a name such as ``info``, or a number), None
@@ -53,6 +57,10 @@ def configured() -> bool:
 def warn(message: str) -> None:
     """Log ``message`` at WARNING; also print it as ``pinstage: warning: ...`` on stderr when
     no logging is configured (so a fallback is never silent by default)."""
+    global _env_error
+    pending, _env_error = _env_error, None
+    if pending is not None:
+        warn(pending)
     logger.warning("%s", message)
     if logger.isEnabledFor(logging.WARNING) and not configured():
         try:
@@ -62,12 +70,13 @@ def warn(message: str) -> None:
 
 
 def _setup() -> None:
+    global _env_error
     if not any(isinstance(h, logging.NullHandler) for h in logger.handlers):
         logger.addHandler(logging.NullHandler())
     try:
         level = level_from_env()
-    except ValueError as exc:  # never fail an import over it; `pinstage doctor` exits 2
-        print(f"pinstage: warning: {exc}; ignored", file=sys.stderr)
+    except ValueError as exc:  # never fail an import over it
+        _env_error = f"{exc}; ignored"
         return
     if level is not None:
         logger.setLevel(level)

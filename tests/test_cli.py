@@ -92,7 +92,10 @@ def test_bench_plain_progress_without_rich(monkeypatch, capsys, tmp_path):
     code = cli.main(["bench", "--quick", "--case", "list_upload_256", "--json",
                      str(tmp_path / "b.json")])
     assert code == 0
-    assert "[0/1] list_upload_256" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # one case and the simulator checks: two steps, counted 1 and 2 of 2 (never 3 of 2)
+    assert "[1/2] list_upload_256 ..." in err and "[2/2] simulator checks ..." in err, err
+    assert "[0/" not in err and "[3/" not in err
     assert json.loads((tmp_path / "b.json").read_text())["cases"][0]["name"] == "list_upload_256"
 
 
@@ -273,7 +276,7 @@ def test_bench_sigint_in_a_subprocess(tmp_path):
         seen = []
         for line in proc.stderr:  # plain progress lines: stderr is not a terminal
             seen.append(line)
-            if line.startswith("[1/3]"):  # the first case has finished
+            if line.startswith("[2/4]"):  # the first case has finished
                 proc.send_signal(signal.SIGINT)
                 break
         out, err = proc.communicate(timeout=120)
@@ -367,10 +370,11 @@ def test_bench_shows_fallback_warnings_and_restores_logging(monkeypatch, capsys)
 
     monkeypatch.setattr(logging.getLogger(), "handlers", [])  # an unconfigured program
     log = logging.getLogger("pinstage")
+    before = list(log.handlers)
     with cli._warnings_to_stderr():
         log.warning("pinned staging is off")
     assert capsys.readouterr().err == "pinstage: warning: pinned staging is off\n"
-    assert log.handlers == [] and log.propagate
+    assert log.handlers == before and log.propagate
 
 
 def test_doctor_shows_the_staging_limit_in_force(monkeypatch, capsys):
@@ -384,4 +388,4 @@ def test_doctor_shows_the_staging_limit_in_force(monkeypatch, capsys):
         monkeypatch.setenv("PINSTAGE_STAGING_LIMIT", "64MiB")
         assert cli.main(["doctor", "--no-probe"]) == 0
     out = capsys.readouterr().out
-    assert out.count("staging cap:  8 MiB") == 2 and "64 MiB" not in out
+    assert out.count("staging cap:     8 MiB") == 2 and "64 MiB" not in out

@@ -56,8 +56,8 @@ def test_multi_process_example_under_torchrun():
     import re
 
     ranks = re.findall(r"rank (\d)/2 on (cuda:\d): checksum (\d+) matches NumPy; "
-                       r"all-reduced (\d+); pinned staging for cuda:\d: (\d+) bytes reserved, "
-                       r"other devices in this process: \[0\]", proc.stdout)
+                       r"all-reduced (\d+); pinned staging reserved: (\d+) bytes for cuda:\d, "
+                       r"0 bytes for cuda:\d \(the other devices in this process\)", proc.stdout)
     assert sorted((r[0], r[1]) for r in ranks) == [("0", "cuda:0"), ("1", "cuda:1")], proc.stdout
     assert {int(r[3]) for r in ranks} == {sum(int(r[2]) for r in ranks)}  # the all-reduce
     assert all(int(r[4]) > 0 for r in ranks)  # each rank staged on its own device
