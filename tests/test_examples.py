@@ -61,3 +61,27 @@ def test_multi_process_example_under_torchrun():
     assert sorted((r[0], r[1]) for r in ranks) == [("0", "cuda:0"), ("1", "cuda:1")], proc.stdout
     assert {int(r[3]) for r in ranks} == {sum(int(r[2]) for r in ranks)}  # the all-reduce
     assert all(int(r[4]) > 0 for r in ranks)  # each rank staged on its own device
+
+
+def _example(*args: str) -> "subprocess.CompletedProcess[str]":
+    import subprocess
+
+    return subprocess.run([sys.executable, str(EXAMPLES / "engine_inputs.py"), *args],
+                          capture_output=True, text=True, timeout=200, cwd=EXAMPLES.parent)
+
+
+def test_engine_inputs_simulate_flag_runs_without_a_gpu():
+    proc = _example("--simulate", "--steps", "15")
+    assert proc.returncode == 0, proc.stderr
+    assert "'matches_reference': True" in proc.stdout and "'device': 'cuda" in proc.stdout
+    assert "simulated device work:" in proc.stdout and "'host_stalls': 0" in proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_engine_inputs_on_a_missing_device_is_one_line():
+    proc = _example("--device", "cuda", "--steps", "2")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "device 'cuda' is not available" in lines[0]
+    assert "--simulate" in lines[0]

@@ -166,3 +166,19 @@ def test_typed_user_script_passes_mypy_strict():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert tuple(module.REVEALED) == REVEALED  # the install check expects the same
+
+
+def test_host_memory_stats_says_it_is_not_torchs():
+    """Same name as torch.cuda.host_memory_stats(), other keys: its docstring and the README
+    say so."""
+    doc = " ".join((pinstage.host_memory_stats.__doc__ or "").split())
+    assert "torch.cuda.host_memory_stats()" in doc
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert "not the same keys as `torch.cuda.host_memory_stats()`" in readme
+
+
+def test_readme_compares_the_audit_with_sync_debug_mode():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "torch.cuda.set_sync_debug_mode" in readme
+    section = readme[readme.index("torch.cuda.set_sync_debug_mode"):]
+    assert "pageable" in section[:3000] and "real CUDA device" in section[:3000]
