@@ -409,10 +409,12 @@ def plot_caption(report: dict[str, Any]) -> str:
     cases = report["cases"]
     torch_v = report.get("host", {}).get("torch", "?")
     date = report.get("date") or "date not recorded"
+    bars = ("the interquartile range over rounds (speedup: from the quartiles of both sides)"
+            if all("pinstage_q1_us" in c for c in cases) else
+            "half the interquartile range each way (the report has no quartiles)")
     return (f"pinstage {report.get('pinstage', '?')}, torch {torch_v}, target "
             f"{report['target']} ({report.get('device_name', '')}), {date}. Median of "
-            f"{cases[0]['rounds'] if cases else 0} interleaved rounds; error bars: the "
-            "interquartile range over rounds (speedup: from the quartiles of both sides).")
+            f"{cases[0]['rounds'] if cases else 0} interleaved rounds; error bars: {bars}.")
 
 
 def write_plot(report: dict[str, Any], path: str) -> None:

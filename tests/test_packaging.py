@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import inspect
 import pathlib
 import re
 import shutil
@@ -182,3 +183,36 @@ def test_readme_compares_the_audit_with_sync_debug_mode():
     assert "torch.cuda.set_sync_debug_mode" in readme
     section = readme[readme.index("torch.cuda.set_sync_debug_mode"):]
     assert "pageable" in section[:3000] and "real CUDA device" in section[:3000]
+
+
+def _gen_api_docs():
+    spec = importlib.util.spec_from_file_location("gen_api_docs",
+                                                  ROOT / "scripts" / "gen_api_docs.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_api_reference_lists_every_public_name():
+    import pinstage.testing
+
+    text = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    for module in (pinstage, pinstage.testing):
+        for name in module.__all__:
+            heading = f"### `{module.__name__}.{name}`"
+            assert heading in text, f"{heading} is missing from docs/api.md"
+            section = text.split(heading, 1)[1].split("\n### ", 1)[0]
+            assert f"{name}(" in section or f"{name}:" in section or f"{name} =" in section, name
+            obj = getattr(module, name)
+            doc = inspect.getdoc(obj) if not isinstance(obj, (bool, tuple)) else None
+            if doc and callable(obj):
+                assert doc.splitlines()[0].strip() in section, name
+
+
+def test_api_reference_is_up_to_date():
+    """docs/api.md is what scripts/gen_api_docs.py writes for the code as it is (after a change
+    to a public signature or docstring: python scripts/gen_api_docs.py)."""
+    expected = _gen_api_docs().render()
+    current = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    assert current == expected, "docs/api.md is stale: run python scripts/gen_api_docs.py"
