@@ -96,7 +96,14 @@ def outside(keep: str | None) -> int:
     dist = work / "dist"
     shutil.rmtree(dist, ignore_errors=True)
     try:
-        proc = _run([sys.executable, "-m", "build", "--outdir", str(dist), str(ROOT)])
+        # build from a clean copy: a stale *.egg-info (an editable install leaves one) feeds
+        # its file list into the sdist and can hide a module the package config leaves out
+        src = work / "src"
+        shutil.rmtree(src, ignore_errors=True)
+        shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+            ".git", ".venv", "*.egg-info", "build", "dist", "__pycache__", ".mypy_cache",
+            ".pytest_cache", ".hypothesis", ".ruff_cache", "bench-out"))
+        proc = _run([sys.executable, "-m", "build", "--outdir", str(dist), str(src)])
         if proc.returncode != 0:
             print(proc.stdout[-3000:] + proc.stderr[-3000:])
             print("FAIL: python -m build (is the 'build' package installed? it is in the "
