@@ -70,7 +70,7 @@ def test_discovery_finds_every_subpackage(pyproject):
     assert "packages" not in tool or isinstance(tool["packages"], dict)
     find = tool["packages"]["find"]
     assert find["include"] == ["pinstage*"]
-    from setuptools import find_packages
+    find_packages = pytest.importorskip("setuptools").find_packages
 
     found = set(find_packages(where=str(ROOT), include=find["include"]))
     dirs = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "pinstage").rglob("*.py")
@@ -216,3 +216,14 @@ def test_api_reference_is_up_to_date():
     expected = _gen_api_docs().render()
     current = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
     assert current == expected, "docs/api.md is stale: run python scripts/gen_api_docs.py"
+
+
+def test_importing_every_module_runs_nothing():
+    """A user's (or a checker's) walk over the package imports ``pinstage.__main__`` too: it
+    must not run the command."""
+    proc = subprocess.run([sys.executable, "-c", "import pkgutil, importlib, pinstage\n"
+                           "for m in pkgutil.walk_packages(pinstage.__path__, 'pinstage.'):\n"
+                           "    importlib.import_module(m.name)\n"
+                           "print('all imported')"], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip() == "all imported", proc.stderr
