@@ -87,6 +87,7 @@ class Capabilities:
     staging_limit: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
+        """The fields as JSON-able values (``pinstage doctor --json``'s ``capabilities``)."""
         return {
             "device": str(self.device), "accelerator": self.accelerator,
             "can_pin": self.can_pin, "pin_memory": self.pin_memory, "uva": self.uva,
