@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import subprocess
 import sys
 from types import ModuleType
 
@@ -63,9 +64,7 @@ def test_multi_process_example_under_torchrun():
     assert all(int(r[4]) > 0 for r in ranks)  # each rank staged on its own device
 
 
-def _example(*args: str) -> "subprocess.CompletedProcess[str]":
-    import subprocess
-
+def _example(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(EXAMPLES / "engine_inputs.py"), *args],
                           capture_output=True, text=True, timeout=200, cwd=EXAMPLES.parent)
 
