@@ -83,6 +83,7 @@ def main(argv: list[str]) -> int:
             sys.stdout.flush()
             if any(others.values()):
                 raise SystemExit(f"rank {rank}: another device's staging state was used")
+        dist.barrier()  # no rank tears gloo down while another still talks to it
     finally:
         dist.destroy_process_group()
     return 0
