@@ -8,7 +8,8 @@ Each step the scheduler adds, removes and extends requests; the engine then
   ``async_tensor_h2d``;
 * computes the slot mapping on the device and reads back a small result (as sampling would).
 Every result is checked against a NumPy reference. Run: ``python examples/engine_inputs.py
-[--device cuda] [--steps 200]``.
+[--device cuda] [--steps 200] [--simulate]``; ``--simulate`` runs the same code on pinstage's
+simulated CUDA (no GPU needed). A device this machine does not have is a one-line error.
 """
 
 from __future__ import annotations
@@ -167,9 +168,32 @@ def main(device: Any = "cuda", steps: int = 200, seed: int = 0, max_reqs: int = 
     return summary
 
 
-if __name__ == "__main__":
+def cli(argv: list[str] | None = None) -> int:
+    """The command line: ``--device``, ``--steps`` and ``--simulate``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default=None,
+                        help="cuda, cuda:N or cpu (default: cuda if there is one, else cpu; "
+                             "with --simulate: cuda)")
     parser.add_argument("--steps", type=int, default=200)
-    args = parser.parse_args()
-    main(args.device, args.steps)
+    parser.add_argument("--simulate", action="store_true",
+                        help="run on pinstage's simulated CUDA (no GPU needed)")
+    args = parser.parse_args(argv)
+    if args.simulate:
+        from pinstage.testing import simulated_accelerator
+
+        with simulated_accelerator("random", seed=1) as sim:
+            main(args.device or "cuda", args.steps)
+            print("simulated device work:", sim.stats.as_dict())
+        return 0
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    from pinstage.cli import device_problem
+
+    problem = device_problem(device)
+    if problem is not None:  # one line, not a traceback from deep inside the engine
+        parser.exit(2, f"{parser.prog}: error: {problem}; or run with --simulate\n")
+    main(device, args.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli())

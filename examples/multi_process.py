@@ -70,18 +70,20 @@ def main(argv: list[str]) -> int:
             torch.cuda.set_device(device)
             checksum = rank_work(rank, device)
             mine = pinstage.host_memory_stats(device)
-            others = [pinstage.host_memory_stats(torch.device("cuda", r))["reserved_bytes"]
-                      for r in range(world) if r != rank]
+            others = {f"cuda:{r}": pinstage.host_memory_stats(
+                torch.device("cuda", r))["reserved_bytes"] for r in range(world) if r != rank}
             total = torch.tensor([checksum], dtype=torch.int64)
             dist.all_reduce(total)  # over gloo: CPU tensors
             line = (f"rank {rank}/{world} on {device}: checksum {checksum} matches NumPy; "
-                    f"all-reduced {int(total.item())}; pinned staging for {device}: "
-                    f"{mine['reserved_bytes']} bytes reserved, other devices in this "
-                    f"process: {others}\n")
+                    f"all-reduced {int(total.item())}; pinned staging reserved: "
+                    f"{mine['reserved_bytes']} bytes for {device}, "
+                    + ", ".join(f"{n} bytes for {d}" for d, n in others.items())
+                    + " (the other devices in this process)\n")
             sys.stdout.write(line)  # one write: the ranks share the terminal
             sys.stdout.flush()
-            if any(others):
+            if any(others.values()):
                 raise SystemExit(f"rank {rank}: another device's staging state was used")
+        dist.barrier()  # no rank tears gloo down while another still talks to it
     finally:
         dist.destroy_process_group()
     return 0

@@ -10,7 +10,8 @@ import importlib
 from typing import Any
 
 from . import _backend as _backend  # the old layout's names, kept one round
-from . import _memory as _memory  # (likewise)
+from . import _logging as _logging  # the logger's NullHandler and PINSTAGE_LOG_LEVEL
+from . import _memory as _memory  # (the old layout's names, likewise)
 from . import _registry
 from ._audit import Finding, HiddenSyncError, SyncReport, audit
 from ._buffers import (
@@ -36,8 +37,7 @@ from ._errors import (
 )
 from ._staged import FusedStagedWriter, StagedWriteTensor
 from ._state import host_memory_stats
-
-__version__ = "0.1.0"
+from ._version import __version__ as __version__
 
 # Who serves which device type. device=None means the first available of the defaults, in
 # order: CUDA (and ROCm through torch.cuda; its module is imported on first use, so importing
@@ -80,6 +80,9 @@ __all__ = [
     "set_default_max_concurrency",
     "synchronize",
 ]
+
+
+PIN_MEMORY: bool  # for type checkers only: the value comes from __getattr__, when read
 
 
 def __getattr__(name: str) -> Any:

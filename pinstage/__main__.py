@@ -1,3 +1,6 @@
+"""``python -m pinstage``: the ``pinstage`` command (importing this module runs nothing)."""
+
 from .cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":
+    raise SystemExit(main())

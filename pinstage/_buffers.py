@@ -14,9 +14,10 @@ event recorded after that read has completed.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Generic, Literal, TypeVar, overload
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from ._capabilities import Capabilities, capabilities_for
@@ -120,13 +121,36 @@ def _numpy(t: torch.Tensor) -> np.ndarray | None:
     return t.numpy() if torch_to_numpy(t.dtype) is not None else None
 
 
-class CpuGpuBuffer:
+# what ``CpuGpuBuffer.np`` is, for a type checker: an array with ``with_numpy=True`` (the
+# default), ``None`` with ``with_numpy=False``
+_Np = TypeVar("_Np", npt.NDArray[Any], None, "npt.NDArray[Any] | None")
+
+
+class CpuGpuBuffer(Generic[_Np]):
     """A host tensor ``.cpu`` (with ``.np``) and a device tensor ``.gpu`` of one shape.
+
+    ``.np`` is a NumPy view of ``.cpu`` (``None`` with ``with_numpy=False``); type checkers see
+    an ``ndarray`` for the default ``with_numpy=True``.
 
     ``.cpu`` is read in place by ``copy_to_gpu``: don't change ``.cpu[:n]`` until that copy has
     completed (an event or ``synchronize()`` tells). Calls from several threads at once are
     fine (they share no state beyond the two tensors, as with torch's own copies).
     """
+
+    np: _Np
+
+    @overload
+    def __init__(self: CpuGpuBuffer[npt.NDArray[Any]], *size: Any, dtype: torch.dtype,
+                 device: Any, pin_memory: bool | None = None,
+                 with_numpy: Literal[True] = True) -> None: ...
+
+    @overload
+    def __init__(self: CpuGpuBuffer[None], *size: Any, dtype: torch.dtype, device: Any,
+                 pin_memory: bool | None = None, with_numpy: Literal[False]) -> None: ...
+
+    @overload
+    def __init__(self: CpuGpuBuffer[npt.NDArray[Any] | None], *size: Any, dtype: torch.dtype,
+                 device: Any, pin_memory: bool | None = None, with_numpy: bool) -> None: ...
 
     def __init__(self, *size: Any, dtype: torch.dtype, device: Any,
                  pin_memory: bool | None = None, with_numpy: bool = True) -> None:
@@ -150,7 +174,7 @@ class CpuGpuBuffer:
         self.device = backend.device
         self.cpu = _host(backend, shape, dtype, pinned)
         self.gpu = _device(backend, shape, dtype)
-        self.np = self.cpu.numpy() if with_numpy else None
+        self.np = self.cpu.numpy() if with_numpy else None  # type: ignore[assignment]
         self._pinned = pinned  # known once: no is_pinned() driver query per copy
         self._prefix = _Prefixes(self.cpu, self.gpu)
         self._state = device_state(backend) if pinned else None

@@ -5,12 +5,12 @@ Probes are the backend's (cached per device, run on first ask, never at import);
 
 A decision that puts an accelerator on a slower path (no pinned staging, no UVA, a platform cap
 on the staging arena) is logged once per process and reason, at ``WARNING``, on the logger
-named ``pinstage``.
+named ``pinstage`` (printed as ``pinstage: warning: ...`` where no logging is configured; see
+``_logging``).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -21,15 +21,14 @@ import torch
 from ._arena import staging_limit
 from ._device import Backend
 from ._errors import UnavailableError
+from ._logging import warn
 from ._registry import get_backend
 from ._state import device_state, on_fork_child
 
-__all__ = ["Capabilities", "capabilities", "capabilities_for", "is_pin_memory_available",
-           "is_uva_available", "staging_limit_in_force"]
+__all__ = ["Capabilities", "capabilities", "capabilities_for", "check_policies",
+           "is_pin_memory_available", "is_uva_available", "staging_limit_in_force"]
 
 _POLICY_VALUES = ("auto", "0", "1")
-
-logger = logging.getLogger("pinstage")
 
 _logged: set[tuple[str, str]] = set()  # (kind, reason) already logged in this process
 _logged_lock = threading.Lock()
@@ -52,7 +51,7 @@ def _log_fallback(kind: str, reason: str, message: str) -> None:
         if key in _logged:
             return
         _logged.add(key)
-    logger.warning("%s", message)
+    warn(message)
 
 
 def _log_fallbacks(device: torch.device, pin: bool, pin_why: str, uva: bool, uva_why: str,
@@ -88,6 +87,7 @@ class Capabilities:
     staging_limit: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
+        """The fields as JSON-able values (``pinstage doctor --json``'s ``capabilities``)."""
         return {
             "device": str(self.device), "accelerator": self.accelerator,
             "can_pin": self.can_pin, "pin_memory": self.pin_memory, "uva": self.uva,
@@ -102,6 +102,12 @@ def _policy(name: str) -> str:
     if value not in _POLICY_VALUES:
         raise ValueError(f"{name}={raw!r} is not a valid setting: expected 'auto', '0' or '1'")
     return value
+
+
+def check_policies() -> None:
+    """Raise ``ValueError`` naming the first invalid ``PINSTAGE_PIN_MEMORY``/``PINSTAGE_UVA``."""
+    _policy("PINSTAGE_PIN_MEMORY")
+    _policy("PINSTAGE_UVA")
 
 
 _ENV_NAMES = ("PINSTAGE_PIN_MEMORY", "PINSTAGE_UVA", "PINSTAGE_STAGING_LIMIT")

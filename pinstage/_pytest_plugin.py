@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Generator, Iterator
 from typing import Any
 
@@ -59,13 +60,26 @@ def _check(item: pytest.Item) -> None:
         pytest.fail(report.summary(), pytrace=False)
 
 
-def _consumed(config: pytest.Config) -> str:
-    """The path argparse took as the value of a bare ``--pinstage-simulate``."""
-    args = list(config.invocation_params.args)
-    for i, a in enumerate(args[:-1]):
-        if a == "--pinstage-simulate":
-            return str(args[i + 1])
-    return "."
+def _mode_word(config: pytest.Config) -> tuple[str, bool] | None:
+    """The word argparse took as ``--pinstage-simulate``'s value, and whether it was given as
+    ``--pinstage-simulate=WORD`` (then it can only be a mode) rather than as the next word (a
+    test path there is not a mode; argparse cannot tell). None: the flag was not given."""
+    args = [str(a) for a in config.invocation_params.args]
+    found: tuple[str, bool] | None = None
+    for i, a in enumerate(args):
+        if a.startswith("--pinstage-simulate="):
+            found = (a.split("=", 1)[1], True)
+        elif a == "--pinstage-simulate" and i + 1 < len(args):
+            found = (args[i + 1], False)
+    return found
+
+
+def _looks_like_a_path(word: str, config: pytest.Config) -> bool:
+    """Whether ``word`` names a test path (``dir/``, ``x.py``, ``x.py::test``, or anything that
+    exists relative to where pytest was invoked)."""
+    path = word.split("::", 1)[0]
+    return ("/" in path or os.sep in path or path.endswith(".py") or "::" in word
+            or os.path.exists(os.path.join(str(config.invocation_params.dir), path)))
 
 
 def _simulating(config: pytest.Config) -> str | None:
@@ -78,14 +92,17 @@ def pytest_configure(config: pytest.Config) -> None:
     written as ``skipif(not torch.cuda.is_available())`` are evaluated at import."""
     mode = _simulating(config)
     if mode is not None and mode not in _MODES:
-        if mode.startswith("-"):
-            raise pytest.UsageError(f"--pinstage-simulate: MODE must be one of {_MODES}, got "
-                                    f"{mode!r}")
-        # `--pinstage-simulate tests/` : the word after the bare flag was a path, not a mode
+        given = _mode_word(config)
+        explicit = given is None or given[1] or mode.startswith("-")
+        if explicit or not _looks_like_a_path(mode, config):
+            raise pytest.UsageError(f"--pinstage-simulate: unknown mode {mode!r}; MODE must be "
+                                    f"one of {', '.join(_MODES)} (e.g. "
+                                    "--pinstage-simulate=random)")
+        # `--pinstage-simulate tests/x.py`: the word after the bare flag was a path, not a mode
         config.option.pinstage_simulate = mode = "lazy"
         if config.args_source != pytest.Config.ArgsSource.ARGS:  # testpaths or the cwd
             config.args.clear()
-        config.args.append(_consumed(config))
+        config.args.append(given[0] if given is not None else mode)
     if mode is not None:
         from pinstage.testing import simulated_accelerator
 

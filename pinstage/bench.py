@@ -14,6 +14,7 @@ value and ``pass``/``fail``, or ``not run`` with the reason.
 
 from __future__ import annotations
 
+import datetime
 import gc
 import platform
 import statistics
@@ -31,8 +32,11 @@ import pinstage
 from ._registry import get_backend
 from ._state import device_state
 
-__all__ = ["CASES", "Case", "best_target", "case_names", "check_case_names",
+__all__ = ["CASES", "Case", "SCHEMA", "best_target", "case_names", "check_case_names",
            "goals", "run_suite"]
+
+# version of the JSON report's layout (``schema`` in it): raised when a key changes meaning
+SCHEMA = 1
 
 
 @dataclass
@@ -514,12 +518,13 @@ def _time_calls(fn: Callable[[], Any], calls: int) -> float:
         gc.enable()
 
 
-def run_case(case: Case, device: torch.device, rounds: int) -> dict[str, Any]:
+def run_case(case: Case, device: torch.device, rounds: int,
+             warmups: int = 2) -> dict[str, Any]:
     ours, base, check = case.make(device)
     if check is not None:
         check()
     calls = case.calls_per_round
-    for _ in range(2):  # warm up (arena, caches, allocator)
+    for _ in range(warmups):  # warm up (arena, caches, allocator)
         _time_calls(ours, calls)
         _time_calls(base, calls)
     _sync(device)
@@ -540,6 +545,11 @@ def run_case(case: Case, device: torch.device, rounds: int) -> dict[str, Any]:
         "name": case.name, "what": case.what,
         "pinstage_us": p * 1e6, "baseline_us": b * 1e6, "speedup": b / p,
         "pinstage_spread_us": _iqr(t_ours) * 1e6, "baseline_spread_us": _iqr(t_base) * 1e6,
+        # the quartiles behind the spread (the chart's error bars)
+        "pinstage_q1_us": _quartiles(t_ours)[0] * 1e6,
+        "pinstage_q3_us": _quartiles(t_ours)[1] * 1e6,
+        "baseline_q1_us": _quartiles(t_base)[0] * 1e6,
+        "baseline_q3_us": _quartiles(t_base)[1] * 1e6,
         "rounds": rounds, "calls_per_round": calls, "ops_per_call": per,
         "baseline_floor": case.floor or None,
         # host waits for unfinished device work inside pinstage calls, in the timed rounds
@@ -559,16 +569,25 @@ def run_case(case: Case, device: torch.device, rounds: int) -> dict[str, Any]:
     return result
 
 
-def _iqr(xs: list[float]) -> float:
+def _quartiles(xs: list[float]) -> tuple[float, float]:
+    """The first and third quartiles (with fewer than 4 values: the least and the most)."""
     if len(xs) < 4:
-        return max(xs) - min(xs)
+        return min(xs), max(xs)
     q = statistics.quantiles(xs, n=4)
-    return q[2] - q[0]
+    return q[0], q[2]
 
 
-def simulator_checks() -> dict[str, Any]:
-    """Counts the simulator can give exactly: transfers per call, host stalls, pinned bytes."""
+def _iqr(xs: list[float]) -> float:
+    q1, q3 = _quartiles(xs)
+    return q3 - q1
+
+
+def simulator_checks(quick: bool = False) -> dict[str, Any]:
+    """Counts the simulator can give exactly: transfers per call, host stalls, pinned bytes
+    (``quick``: the host times over fewer calls; the counts are the same)."""
     from .testing import simulated_accelerator
+
+    timed_calls = 40 if quick else 200
 
     arrays = _eight_arrays()
     out: dict[str, Any] = {}
@@ -580,9 +599,9 @@ def simulator_checks() -> dict[str, Any]:
         for a in arrays:
             pinstage.async_tensor_h2d(a, sim.device)
         out["separate_8_transfers"] = sim.stats.copies - c0
-        many = _time_calls(lambda: pinstage.h2d_many(arrays, sim.device), 200)
+        many = _time_calls(lambda: pinstage.h2d_many(arrays, sim.device), timed_calls)
         sep = _time_calls(lambda: [pinstage.async_tensor_h2d(a, sim.device) for a in arrays],
-                          200)
+                          timed_calls)
         out["h2d_many_8_sim_us"] = many * 1e6
         out["separate_8_sim_us"] = sep * 1e6
         out["h2d_many_vs_separate_ratio"] = many / sep
@@ -668,9 +687,15 @@ def run_suite(quick: bool = False, device: Any = None,
     skipped = [{"name": c.name, "what": c.what, "reason": why} for c in selected
                if (why := skip_reason(c, dev)) is not None]
     cases = [c for c in selected if skip_reason(c, dev) is None]
-    rounds = 7 if quick else 25
+    rounds, warmups = (5, 1) if quick else (25, 2)
     results: list[dict[str, Any]] = []
+    # every step, in order, so progress counts them all: the cases, then the extra checks
+    extra = (["pinned memory"] if caps.accelerator and caps.pin_memory else []) + (
+        [] if _simulator_open() else ["simulator checks"])
+    steps = [c.name for c in cases] + extra
     report: dict[str, Any] = {
+        "schema": SCHEMA,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "target": str(dev) if caps.accelerator else "cpu",
         "device_name": _device_name(dev),
         "quick": quick,
@@ -685,23 +710,24 @@ def run_suite(quick: bool = False, device: Any = None,
                  "threads": torch.get_num_threads()},
         "pinstage": pinstage.__version__,
     }
+    def step(i: int) -> None:
+        if progress:
+            progress(i, len(steps), steps[i] if i < len(steps) else "done")
+
     try:
         for i, case in enumerate(cases):
-            if progress:
-                progress(i, len(cases), case.name)
-            results.append(run_case(case, dev, rounds))
+            step(i)
+            results.append(run_case(case, dev, rounds, warmups))
             if on_result:
                 on_result(results[-1])
-        if caps.accelerator and caps.pin_memory:
-            if progress:
-                progress(len(cases), len(cases), "pinned memory")
+        if "pinned memory" in extra:
+            step(steps.index("pinned memory"))
             report["pinned_memory"] = pinned_rss(dev)
-        if _simulator_open():
-            report["simulator"] = None  # the target is simulated already (one at a time)
-        else:
-            if progress:
-                progress(len(cases), len(cases), "simulator checks")
-            report["simulator"] = simulator_checks()
+        if "simulator checks" in extra:
+            step(steps.index("simulator checks"))
+            report["simulator"] = simulator_checks(quick)
+        # else: the target is simulated already (one simulator at a time): None
+        step(len(steps))  # every step done
     except KeyboardInterrupt:
         report["interrupted"] = True
     report["goals"] = goals(report)
@@ -709,12 +735,25 @@ def run_suite(quick: bool = False, device: Any = None,
 
 
 def _goal(text: str, value: float | None, limit: float, at_most: bool,
-          not_run: str | None = None, **extra: Any) -> dict[str, Any]:
+          not_run: str | None = None, unit: str = "x", **extra: Any) -> dict[str, Any]:
+    """A goal's record; ``unit`` says how its value reads: ``"x"`` a ratio, ``"us"``
+    microseconds, ``""`` a count (``format_value`` prints it as the table does)."""
     if not_run is not None or value is None:
-        return {"goal": text, "status": "not run", "reason": not_run or "no value", **extra}
+        return {"goal": text, "status": "not run", "reason": not_run or "no value",
+                "unit": unit, **extra}
     ok = value <= limit if at_most else value >= limit
-    return {"goal": text, "value": round(value, 4), "limit": limit,
+    return {"goal": text, "value": round(value, 4), "limit": limit, "unit": unit,
             "compare": "<=" if at_most else ">=", "status": "pass" if ok else "fail", **extra}
+
+
+def format_value(value: float, unit: str) -> str:
+    """One number as the table, the chart and the goals all print it: a ratio ``1.25x``, a
+    time ``3.4 us``, a count ``0``."""
+    if unit == "x":
+        return f"{value:.2f}x"
+    if unit == "us":
+        return f"{value:.1f} us"
+    return f"{value:g}"
 
 
 def goals(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -741,9 +780,9 @@ def goals(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
         True, why_not("staged_writes_overlap"))
     c = cases.get("stage_write_call", {})
     out["stage_write_call_le_2x_struct_pack"] = _goal(
-        "one stage_write of 16 ints costs at most 2x a bare struct.pack of them",
-        c["pinstage_us"] / c["baseline_us"] if c else None, 2.0, True,
-        why_not("stage_write_call"))
+        "one stage_write of 16 ints costs at most 2x a bare struct.pack of them: the "
+        "table's speedup of stage_write_call (struct.pack time / stage_write time) is at "
+        "least 0.50x", c.get("speedup"), 0.5, False, why_not("stage_write_call"))
     c = cases.get("large_pageable_256m", {})
     out["pageable_ge_75pct_of_pinned_bandwidth"] = _goal(
         "a 256 MiB pageable upload through pinstage reaches at least 75% of a bare pinned "
@@ -761,7 +800,7 @@ def goals(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
         "a 1 KiB upload costs the host no more per call than torch.from_numpy(a).to(dev, "
         "non_blocking=True); value: pinstage's per-call host time in us, next to a bare "
         "pinned copy_'s", c.get("pinstage_us"), c.get("baseline_us", 0.0), True,
-        why_not("small_copy_1k"),
+        why_not("small_copy_1k"), unit="us",
         **({"bare_pinned_copy_us": c["bare_pinned_copy_us"],
             "straightforward_us": c["baseline_us"],
             "torch_tensor_to_us": c.get("torch_tensor_to_us")} if c else {}))
@@ -772,7 +811,7 @@ def goals(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
         None if accel and small else
         "needs an accelerator target (the CPU never waits for a device; the simulator's "
         "steady-state count is under 'simulator')" if not accel else "no small case ran",
-        **({"cases": [x["name"] for x in small]} if accel else {}))
+        unit="", **({"cases": [x["name"] for x in small]} if accel else {}))
     pm = report.get("pinned_memory") or {}
     out["pinned_rss_le_1_05x_requested"] = _goal(
         "pinned memory reserved for odd-sized buffers is at most 1.05x the bytes requested",

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
-from . import __version__
+from ._version import __version__
 
 __all__ = ["UsageError", "device_problem", "main"]
 
@@ -62,6 +62,21 @@ def device_problem(spec: str) -> str | None:
             return (f"device {spec!r} is not available: this machine has {n} CUDA device(s) "
                     f"(cuda:0 to cuda:{n - 1})")
     return None
+
+
+def check_environment() -> None:
+    """Raise ``UsageError`` naming the first invalid ``PINSTAGE_*`` setting (read here, before
+    any work, so a bad value is one line and exit status 2, not a failure halfway through)."""
+    from ._arena import staging_limit
+    from ._capabilities import check_policies
+    from ._logging import level_from_env
+
+    try:
+        check_policies()
+        staging_limit()
+        level_from_env()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _check_device(spec: str | None) -> None:
@@ -124,8 +139,10 @@ def _quiet_pinstage_log() -> Iterator[None]:
 def _warnings_to_stderr() -> Iterator[None]:
     """Show the ``pinstage`` logger's warnings as ``pinstage: warning: ...`` lines while the
     command runs, unless logging is configured already."""
+    from ._logging import configured
+
     log = logging.getLogger("pinstage")
-    if log.handlers or logging.getLogger().handlers:
+    if configured():  # the NullHandler alone is not a configuration
         yield
         return
     handler = logging.StreamHandler(sys.stderr)
@@ -170,7 +187,7 @@ def _advice(caps: Any) -> list[str]:
     if in_container():
         tips.append("Container: pinned memory is locked host RAM charged to this container; "
                     "if pinning fails, raise the container's memory limit and check "
-                    "'ulimit -l'.")
+                    f"'ulimit -l' (here: {_size(memlock_limit())}).")
     if caps.accelerator and caps.backend == "cuda":
         import torch
 
@@ -195,6 +212,49 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         return _doctor(args)
 
 
+DOCTOR_SCHEMA = 1  # version of ``doctor --json``'s layout (``schema`` in it)
+
+
+def memlock_limit() -> int | None:
+    """The soft ``RLIMIT_MEMLOCK`` of this process in bytes (``ulimit -l``), None if unlimited
+    or unknown: what ``mlock`` may lock here (CUDA's own pinning is not counted against it)."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    except (ImportError, AttributeError, OSError, ValueError):
+        return None
+    return None if soft == resource.RLIM_INFINITY or soft < 0 else int(soft)
+
+
+def platform_facts() -> dict[str, Any]:
+    """The host facts ``doctor`` bases its advice on, as fields (``--json``: ``platform``)."""
+    import platform
+
+    from ._platform import confidential_vm, in_container, wsl_info
+
+    wsl = wsl_info()
+    return {
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "container": in_container(),
+        "wsl": None if wsl is None else {"release": wsl.release,
+                                         "kernel": ".".join(map(str, wsl.kernel)),
+                                         "pinning_works": wsl.pinning_works},
+        "confidential_vm": confidential_vm(),
+        "memlock_limit_bytes": memlock_limit(),
+    }
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "unlimited"
+    for unit, k in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << k:
+            return f"{n / (1 << k):g} {unit}"
+    return f"{n} bytes"
+
+
 def _doctor(args: argparse.Namespace) -> int:
     import pinstage
 
@@ -207,13 +267,13 @@ def _doctor(args: argparse.Namespace) -> int:
 
     limit = staging_limit_in_force(caps.device)  # the cap the arena uses, read once per device
     caps = dataclasses.replace(caps, staging_limit=limit)
-    report: dict[str, Any] = {"capabilities": caps.as_dict(), "advice": _advice(caps),
-                              "staging_limit": limit,
-                              "host_memory": pinstage.host_memory_stats()}
     import torch
 
-    report["torch"] = torch.__version__
-    report["pinstage"] = pinstage.__version__
+    facts = platform_facts()
+    report: dict[str, Any] = {"schema": DOCTOR_SCHEMA, "pinstage": pinstage.__version__,
+                              "torch": torch.__version__, "capabilities": caps.as_dict(),
+                              "platform": facts, "host_memory": pinstage.host_memory_stats(),
+                              "advice": _advice(caps)}
     if caps.accelerator and caps.backend == "cuda" and not args.no_probe:
         from ._cuda import bandwidth_probe
 
@@ -221,22 +281,34 @@ def _doctor(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"pinstage {pinstage.__version__} doctor (torch {torch.__version__})")
-    print(f"target:       {caps.device} ({'accelerator' if caps.accelerator else 'CPU'}, "
-          f"backend {caps.backend})")
-    print(f"pinned memory: {'yes' if caps.pin_memory else 'no'} (can pin: "
-          f"{'yes' if caps.can_pin else 'no'})")
-    print(f"UVA:          {'yes' if caps.uva else 'no'}")
+    wsl = facts["wsl"]
+    rows: list[tuple[str, str]] = [
+        ("target", f"{caps.device} ({'accelerator' if caps.accelerator else 'CPU'}, backend "
+                   f"{caps.backend})"),
+        ("pinned memory", f"{'yes' if caps.pin_memory else 'no'} (can pin: "
+                          f"{'yes' if caps.can_pin else 'no'})"),
+        ("UVA", "yes" if caps.uva else "no"),
+    ]
     if caps.staging_limit:
-        print(f"staging cap:  {caps.staging_limit / 2**20:.0f} MiB")
+        rows.append(("staging cap", _size(caps.staging_limit)))
+    rows += [
+        ("container", "yes" if facts["container"] else "no"),
+        ("WSL", "no" if wsl is None else f"yes (kernel {wsl['kernel']})"),
+        ("confidential VM", facts["confidential_vm"] or "none seen"),
+        ("memlock limit", _size(facts["memlock_limit_bytes"]) + " (ulimit -l)"),
+    ]
+    if "probe" in report:
+        p = report["probe"]
+        rows.append(("measured", f"pinned H2D {p['pinned_h2d_gbps']:.1f} GB/s, pageable H2D "
+                                 f"{p['pageable_h2d_gbps']:.1f} GB/s, 1 KiB copy "
+                                 f"{p['small_copy_host_us']:.1f} us host time"))
+    width = max(len(k) for k, _ in rows) + 2
+    print(f"pinstage {pinstage.__version__} doctor (torch {torch.__version__})")
+    for key, value in rows:
+        print(f"{key + ':':<{width}}{value}")
     print("why:")
     for r in caps.reasons:
         print(f"  - {r}")
-    if "probe" in report:
-        p = report["probe"]
-        print(f"measured:     pinned H2D {p['pinned_h2d_gbps']:.1f} GB/s, pageable H2D "
-              f"{p['pageable_h2d_gbps']:.1f} GB/s, 1 KiB copy {p['small_copy_host_us']:.1f} us "
-              "host time")
     print("advice:")
     for t in report["advice"]:
         print(f"  * {t}")
@@ -254,7 +326,9 @@ def _have(module: str) -> bool:
 
 def _progress_printer() -> tuple[Callable[[int, int, str], None], Callable[[], None]]:
     """A progress callback and its closer: a rich bar on a terminal (with the bench extra),
-    else plain lines; both on stderr, so stdout holds only the results."""
+    else plain lines; both on stderr, so stdout holds only the results. The callback gets
+    (steps done, steps in all, the step starting now): the bar is full only when all are
+    done, and the plain lines count ``[1/N]`` to ``[N/N]``."""
     if _have("rich") and sys.stderr.isatty():
         from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -271,18 +345,21 @@ def _progress_printer() -> tuple[Callable[[int, int, str], None], Callable[[], N
         return cb, prog.stop
 
     def plain(i: int, n: int, name: str) -> None:
-        print(f"[{i}/{n}] {name} ...", file=sys.stderr, flush=True)
+        if i < n:
+            print(f"[{i + 1}/{n}] {name} ...", file=sys.stderr, flush=True)
 
     return plain, lambda: None
 
 
 def format_table(report: dict[str, Any]) -> str:
     """The cases as a text table (median +- interquartile range, speedup, host stalls)."""
+    from .bench import format_value
+
     rows = [("case", "pinstage us", "+-", "baseline us", "+-", "speedup", "stalls")]
     for c in report["cases"]:
         rows.append((c["name"], f"{c['pinstage_us']:.1f}", f"{c['pinstage_spread_us']:.1f}",
                      f"{c['baseline_us']:.1f}", f"{c['baseline_spread_us']:.1f}",
-                     f"{c['speedup']:.2f}x", str(c.get("pinstage_host_stalls", ""))))
+                     format_value(c["speedup"], "x"), str(c.get("pinstage_host_stalls", ""))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for k, r in enumerate(rows):
@@ -296,21 +373,58 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def format_goals(goals: dict[str, dict[str, Any]]) -> str:
-    """One line per goal: status, name, measured value and limit (or why it did not run)."""
+    """One line per goal: status, name, measured value and limit (or why it did not run),
+    printed as the table prints the same number (``format_value``)."""
+    from .bench import format_value
+
     lines = []
     for name, g in goals.items():
         if g["status"] == "not run":
             lines.append(f"  not run  {name}: {g['reason']}")
         else:
-            lines.append(f"  {g['status']:<7}  {name}: {g['value']:g} (goal {g['compare']} "
-                         f"{g['limit']:g})")
+            unit = g.get("unit", "x")
+            lines.append(f"  {g['status']:<7}  {name}: {format_value(g['value'], unit)} (goal "
+                         f"{g['compare']} {format_value(g['limit'], unit)})")
     return "\n".join(lines)
 
 
+def _errors(cases: list[dict[str, Any]], side: str) -> list[list[float]]:
+    """Error bars (below, above the median) from the quartiles of ``side`` (``pinstage`` or
+    ``baseline``); a report without them: half the spread each way."""
+    lo, hi = [], []
+    for c in cases:
+        med = c[f"{side}_us"]
+        if f"{side}_q1_us" in c:
+            lo.append(max(med - c[f"{side}_q1_us"], 0.0))
+            hi.append(max(c[f"{side}_q3_us"] - med, 0.0))
+        else:
+            half = c.get(f"{side}_spread_us", 0.0) / 2
+            lo.append(min(half, med * 0.999))  # a log axis: never to zero
+            hi.append(half)
+    return [lo, hi]
+
+
+def plot_caption(report: dict[str, Any]) -> str:
+    """What the chart shows and where it was measured: versions, device and date."""
+    cases = report["cases"]
+    torch_v = report.get("host", {}).get("torch", "?")
+    date = report.get("date") or "date not recorded"
+    bars = ("the interquartile range over rounds (speedup: from the quartiles of both sides)"
+            if all("pinstage_q1_us" in c for c in cases) else
+            "half the interquartile range each way (the report has no quartiles)")
+    return (f"pinstage {report.get('pinstage', '?')}, torch {torch_v}, target "
+            f"{report['target']} ({report.get('device_name', '')}), {date}. Median of "
+            f"{cases[0]['rounds'] if cases else 0} interleaved rounds; error bars: {bars}.")
+
+
 def write_plot(report: dict[str, Any], path: str) -> None:
-    """A chart of the cases: time per call of both sides (log scale) and the speedup. A case
-    whose baseline is a floor (part of the work done bare) is grey and labelled so."""
+    """A chart of the cases: time per call of both sides (log scale, with the spread as error
+    bars) and the speedup, labelled as the table prints it. A case whose baseline is a floor
+    (part of the work done bare) is grey and labelled so. PNG, SVG or any format matplotlib
+    writes, by the extension of ``path``."""
     import matplotlib
+
+    from .bench import format_value
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -325,25 +439,37 @@ def write_plot(report: dict[str, Any], path: str) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 0.55 * len(cases) + 2.2),
                                    gridspec_kw={"width_ratios": [3, 2]}, sharey=True)
     h = 0.38
-    ax1.barh([v + h / 2 for v in y], base, h, label="straightforward PyTorch", color="#9aa5b1")
-    ax1.barh([v - h / 2 for v in y], ours, h, label="pinstage", color="#1f77b4")
+    bar_err = {"ecolor": "black", "capsize": 2, "elinewidth": 0.8}
+    ax1.barh([v + h / 2 for v in y], base, h, xerr=_errors(cases, "baseline"),
+             error_kw=bar_err, label="straightforward PyTorch", color="#9aa5b1")
+    ax1.barh([v - h / 2 for v in y], ours, h, xerr=_errors(cases, "pinstage"),
+             error_kw=bar_err, label="pinstage", color="#1f77b4")
     ax1.set_xscale("log")
     ax1.set_yticks(y, names)
     ax1.set_xlabel("time per call, microseconds (log scale, lower is better)")
     ax1.legend(loc="lower right", fontsize=8)
     colors = ["#9aa5b1" if c.get("baseline_floor") else "#2ca02c" if s >= 1 else "#d62728"
               for c, s in zip(cases, speed)]
-    ax2.barh(y, speed, 0.6, color=colors)
+    # the speedup's range: from (baseline q1 / pinstage q3) to (baseline q3 / pinstage q1)
+    s_lo, s_hi = [], []
+    for c, sp in zip(cases, speed):
+        if "pinstage_q1_us" in c and c["pinstage_q1_us"] > 0 and c["pinstage_q3_us"] > 0:
+            s_lo.append(max(sp - c["baseline_q1_us"] / c["pinstage_q3_us"], 0.0))
+            s_hi.append(max(c["baseline_q3_us"] / c["pinstage_q1_us"] - sp, 0.0))
+        else:
+            s_lo.append(0.0)
+            s_hi.append(0.0)
+    ax2.barh(y, speed, 0.6, color=colors, xerr=[s_lo, s_hi], error_kw=bar_err)
     ax2.axvline(1.0, color="black", linewidth=0.8)
-    for yy, s, c in zip(y, speed, cases):
-        label = f" {s:.2f}x of the floor" if c.get("baseline_floor") else f" {s:.1f}x"
-        ax2.text(s, yy, label, va="center", fontsize=8)
+    for yy, s, hi, c in zip(y, speed, s_hi, cases):
+        label = " " + format_value(s, "x") + (" of the floor" if c.get("baseline_floor") else "")
+        ax2.text(s + hi, yy + 0.3, label, va="center", fontsize=8)
     ax2.set_xlabel("speedup = baseline / pinstage (higher is better)")
-    ax2.set_xlim(0, max(speed) * 1.25 + 0.1)
+    ax2.set_xlim(0, max(sp + hi for sp, hi in zip(speed, s_hi)) * 1.3 + 0.1 if speed else 1)
     target = report["target"]
-    fig.suptitle(f"pinstage bench on {target} ({report.get('device_name', '')}), median of "
-                 f"{cases[0]['rounds'] if cases else 0} interleaved rounds")
-    fig.tight_layout()
+    fig.suptitle(f"pinstage bench on {target} ({report.get('device_name', '')})")
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.text(0.01, 0.01, plot_caption(report), fontsize=7, ha="left", va="bottom", wrap=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -360,7 +486,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     _check_device(args.device)
-    for path, flag in ((args.json, "--json"), (args.plot, "--plot")):
+    to_stdout = args.json == "-"  # the JSON on stdout (as Unix tools read '-'): text to stderr
+    if args.plot == "-":
+        raise UsageError("--plot '-': give a file path (a chart is not written to stdout)")
+    for path, flag in ((None if to_stdout else args.json, "--json"), (args.plot, "--plot")):
         if path:
             _check_output(path, flag)
     if args.plot:
@@ -377,23 +506,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
     finally:
         close()
     # the files first: a closed stdout (``pinstage bench | head``) must not lose them
-    if args.json:
+    if args.json and not to_stdout:
         _write(args.json, "--json", lambda: _write_json(report, args.json))
     if args.plot and report["cases"]:
         _write(args.plot, "--plot", lambda: write_plot(report, args.plot))
-    print(f"pinstage bench: target {report['target']} ({report['device_name']}), "
-          f"{'quick' if args.quick else 'full'} run")
-    print(format_table(report))
+    text = sys.stderr if to_stdout else sys.stdout
+
+    def say(line: str) -> None:
+        print(line, file=text)
+
+    say(f"pinstage bench: target {report['target']} ({report['device_name']}), "
+        f"{'quick' if args.quick else 'full'} run")
+    say(format_table(report))
     sim = report["simulator"]
     if sim:
-        print(f"simulator: h2d_many of 8 arrays = {sim['h2d_many_8_transfers']} transfer(s) "
-              f"(8 separate calls: {sim['separate_8_transfers']}); host stalls in 50 "
-              f"steady-state engine steps: {sim['steady_state_host_stalls_50_steps']}")
-    print("goals:")
-    print(format_goals(report["goals"]))
-    for path in (args.json, args.plot if report["cases"] else None):
+        say(f"simulator: h2d_many of 8 arrays = {sim['h2d_many_8_transfers']} transfer(s) "
+            f"(8 separate calls: {sim['separate_8_transfers']}); host stalls in 50 "
+            f"steady-state engine steps: {sim['steady_state_host_stalls_50_steps']}")
+    say("goals:")
+    say(format_goals(report["goals"]))
+    for path in (None if to_stdout else args.json, args.plot if report["cases"] else None):
         if path:
-            print(f"wrote {path}")
+            say(f"wrote {path}")
+    if to_stdout:
+        sys.stdout.write(json.dumps(report, indent=2) + "\n")
+        sys.stdout.flush()
     if report["interrupted"]:
         print(f"pinstage bench: interrupted; {len(report['cases'])} finished case(s) above"
               + (f" and in {args.json}" if args.json else ""), file=sys.stderr)
@@ -582,8 +719,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_doctor)
     b = sub.add_parser("bench", help="pinstage vs the straightforward PyTorch way")
     b.add_argument("--quick", action="store_true", help="fewer rounds (seconds on a CPU)")
-    b.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    b.add_argument("--plot", metavar="PATH", help="write a PNG chart (needs pinstage[bench])")
+    b.add_argument("--json", metavar="PATH",
+                   help="write the results as JSON ('-': to stdout, the table then goes to "
+                        "stderr)")
+    b.add_argument("--plot", metavar="PATH",
+                   help="write a chart, PNG or SVG by the file's extension (any format "
+                        "matplotlib writes; needs pinstage[bench])")
     b.add_argument("--device", default=None, help="target device (default: the best one)")
     b.add_argument("--case", action="append", metavar="NAME",
                    help="run only this case (repeatable)")
@@ -632,6 +773,7 @@ def main(argv: list[str] | None = None) -> int:
     if program is not None:
         args.command = program
     try:
+        check_environment()
         return int(args.func(args))
     except UsageError as exc:
         print(f"pinstage {args.cmd}: error: {exc}", file=sys.stderr)

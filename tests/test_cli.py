@@ -92,7 +92,10 @@ def test_bench_plain_progress_without_rich(monkeypatch, capsys, tmp_path):
     code = cli.main(["bench", "--quick", "--case", "list_upload_256", "--json",
                      str(tmp_path / "b.json")])
     assert code == 0
-    assert "[0/1] list_upload_256" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # one case and the simulator checks: two steps, counted 1 and 2 of 2 (never 3 of 2)
+    assert "[1/2] list_upload_256 ..." in err and "[2/2] simulator checks ..." in err, err
+    assert "[0/" not in err and "[3/" not in err
     assert json.loads((tmp_path / "b.json").read_text())["cases"][0]["name"] == "list_upload_256"
 
 
@@ -273,7 +276,7 @@ def test_bench_sigint_in_a_subprocess(tmp_path):
         seen = []
         for line in proc.stderr:  # plain progress lines: stderr is not a terminal
             seen.append(line)
-            if line.startswith("[1/3]"):  # the first case has finished
+            if line.startswith("[2/4]"):  # the first case has finished
                 proc.send_signal(signal.SIGINT)
                 break
         out, err = proc.communicate(timeout=120)
@@ -367,10 +370,11 @@ def test_bench_shows_fallback_warnings_and_restores_logging(monkeypatch, capsys)
 
     monkeypatch.setattr(logging.getLogger(), "handlers", [])  # an unconfigured program
     log = logging.getLogger("pinstage")
+    before = list(log.handlers)
     with cli._warnings_to_stderr():
         log.warning("pinned staging is off")
     assert capsys.readouterr().err == "pinstage: warning: pinned staging is off\n"
-    assert log.handlers == [] and log.propagate
+    assert log.handlers == before and log.propagate
 
 
 def test_doctor_shows_the_staging_limit_in_force(monkeypatch, capsys):
@@ -384,4 +388,206 @@ def test_doctor_shows_the_staging_limit_in_force(monkeypatch, capsys):
         monkeypatch.setenv("PINSTAGE_STAGING_LIMIT", "64MiB")
         assert cli.main(["doctor", "--no-probe"]) == 0
     out = capsys.readouterr().out
-    assert out.count("staging cap:  8 MiB") == 2 and "64 MiB" not in out
+    assert out.count("staging cap:     8 MiB") == 2 and "64 MiB" not in out
+
+
+# -- issue 16: what a new user hit ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["abc", "1"])
+@pytest.mark.parametrize("command", [["doctor"], ["bench", "--quick", "--case",
+                                                  "list_upload_256"]])
+def test_bad_staging_limit_is_one_line_before_any_work(command, value, tmp_path):
+    """docs/command-line.md: an invalid PINSTAGE_* setting is one line, exit 2, before any
+    work (bench used to run a case, then print a traceback; doctor said nothing)."""
+    js = tmp_path / "b.json"
+    extra = ["--json", str(js)] if command[0] == "bench" else []
+    proc = run(*command, *extra, env={"PINSTAGE_STAGING_LIMIT": value})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    line = one_line(proc.stderr)
+    assert line.startswith(f"pinstage {command[0]}: error: PINSTAGE_STAGING_LIMIT")
+    assert repr(value) in line
+    assert proc.stdout == "" and not js.exists()  # no case ran, nothing written
+
+
+@pytest.mark.parametrize("name,value", [("PINSTAGE_UVA", "yes"),
+                                        ("PINSTAGE_LOG_LEVEL", "loud")])
+def test_every_bad_setting_is_one_line(name, value):
+    proc = run("doctor", env={name: value})
+    assert proc.returncode == 2
+    line = one_line(proc.stderr)
+    assert f"{name}={value!r} is not a valid setting" in line
+
+
+def test_audit_refuses_a_bad_setting_before_running_the_program(tmp_path):
+    script = tmp_path / "p.py"
+    marker = tmp_path / "ran"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    proc = run("audit", "--", "python", str(script), env={"PINSTAGE_STAGING_LIMIT": "lots"})
+    assert proc.returncode == 2 and not marker.exists()
+    assert "PINSTAGE_STAGING_LIMIT" in one_line(proc.stderr)
+
+
+def test_doctor_columns_are_aligned():
+    proc = run("doctor", "--no-probe")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    fields = lines[1:lines.index("why:")]
+    assert len(fields) >= 6, fields
+    starts = set()
+    for ln in fields:
+        key, rest = ln.split(":", 1)
+        starts.add(len(ln) - len(rest.lstrip()))
+    assert len(starts) == 1, fields  # every value begins in one column
+    keys = [ln.split(":", 1)[0] for ln in fields]
+    assert {"target", "pinned memory", "UVA", "container", "WSL", "memlock limit"} <= set(keys)
+
+
+def test_doctor_json_has_schema_and_facts_as_fields(monkeypatch, capsys):
+    from pinstage import _platform
+
+    monkeypatch.setattr(_platform, "wsl_info",
+                        lambda: _platform.WslInfo("5.15.1-microsoft-standard-WSL2", (5, 15, 1)))
+    monkeypatch.setattr(_platform, "in_container", lambda: True)
+    monkeypatch.setattr(cli, "memlock_limit", lambda: 64 << 10)
+    assert cli.main(["doctor", "--json", "--no-probe"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert isinstance(data["schema"], int) and data["schema"] >= 1
+    assert "staging_limit" not in data  # once, in capabilities
+    assert "staging_limit" in data["capabilities"]
+    facts = data["platform"]
+    assert facts["container"] is True
+    assert facts["wsl"] == {"release": "5.15.1-microsoft-standard-WSL2", "kernel": "5.15.1",
+                            "pinning_works": True}
+    assert facts["memlock_limit_bytes"] == 64 << 10
+    assert "confidential_vm" in facts
+    assert data["pinstage"] == pinstage.__version__ and data["torch"] == torch.__version__
+
+
+def test_memlock_limit_is_the_soft_rlimit():
+    resource = pytest.importorskip("resource")
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    expected = None if soft == resource.RLIM_INFINITY else soft
+    assert cli.memlock_limit() == expected
+
+
+def test_bench_json_dash_is_stdout(tmp_path):
+    proc = run("bench", "--quick", "--case", "list_upload_256", "--json", "-", cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)  # stdout holds the JSON alone
+    assert data["schema"] >= 1 and data["cases"][0]["name"] == "list_upload_256"
+    assert not (tmp_path / "-").exists()
+    assert "speedup" in proc.stderr and "wrote -" not in proc.stderr + proc.stdout
+
+
+def test_bench_json_file_has_schema_and_date(tmp_path):
+    js = tmp_path / "b.json"
+    proc = run("bench", "--quick", "--case", "list_upload_256", "--json", str(js))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(js.read_text())
+    assert data["schema"] == bench.SCHEMA
+    import datetime
+
+    assert datetime.datetime.fromisoformat(data["date"]).tzinfo is not None
+
+
+def test_plot_help_says_png_or_svg_and_svg_is_written(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "PNG or SVG by the file's extension" in help_text
+    assert "'-': to stdout" in help_text
+    pytest.importorskip("matplotlib")
+    svg = tmp_path / "b.svg"
+    assert cli.main(["bench", "--quick", "--case", "list_upload_256", "--plot", str(svg)]) == 0
+    text = svg.read_text()
+    assert text.lstrip().startswith("<?xml") and "<svg" in text
+
+
+@pytest.mark.timeout(120)
+def test_bench_quick_takes_seconds():
+    import time
+
+    t0 = time.perf_counter()
+    proc = run("bench", "--quick")
+    took = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr
+    assert took < 20, took  # a few seconds on the CI machine kind (full: more rounds)
+
+
+def test_progress_counts_each_step_once_and_is_done_only_at_the_end():
+    calls = []
+    bench.run_suite(quick=True, device="cpu", only=["list_upload_256", "h2d_many_8"],
+                    progress=lambda i, n, name: calls.append((i, n, name)))
+    assert calls == [(0, 3, "list_upload_256"), (1, 3, "h2d_many_8"),
+                     (2, 3, "simulator checks"), (3, 3, "done")]
+
+
+def test_rich_bar_is_full_only_when_every_step_is_done(monkeypatch):
+    pytest.importorskip("rich")
+    import rich.progress
+
+    seen = []
+    real_update = rich.progress.Progress.update
+
+    def update(self, task, **kw):
+        seen.append((kw.get("completed"), kw.get("total"), kw.get("description")))
+        return real_update(self, task, **kw)
+
+    monkeypatch.setattr(rich.progress.Progress, "update", update)
+    monkeypatch.setattr(cli.sys.stderr, "isatty", lambda: True, raising=False)
+    cb, close = cli._progress_printer()
+    try:
+        bench.run_suite(quick=True, device="cpu", only=["list_upload_256"], progress=cb)
+    finally:
+        close()
+    assert seen[-1][:2] == (2, 2)
+    assert all(c < t for c, t, _ in seen[:-1]), seen  # not full while work remains
+
+
+def test_table_chart_and_goals_print_a_number_the_same_way():
+    report = bench.run_suite(quick=True, device="cpu", only=["stage_write_call"])
+    case = report["cases"][0]
+    shown = bench.format_value(case["speedup"], "x")
+    assert shown in cli.format_table(report)
+    goal = report["goals"]["stage_write_call_le_2x_struct_pack"]
+    assert goal["value"] == pytest.approx(case["speedup"], abs=1e-4)
+    assert f"stage_write_call_le_2x_struct_pack: {shown} " in cli.format_goals(report["goals"])
+    assert bench.format_value(1.25, "x") == "1.25x"
+    assert bench.format_value(3.44, "us") == "3.4 us"
+    assert bench.format_value(0, "") == "0"
+
+
+def test_chart_has_error_bars_and_a_caption(tmp_path):
+    pytest.importorskip("matplotlib")
+    report = bench.run_suite(quick=True, device="cpu", only=["list_upload_256", "h2d_many_8"])
+    caption = cli.plot_caption(report)
+    assert f"pinstage {pinstage.__version__}" in caption and f"torch {torch.__version__}" in caption
+    assert report["date"] in caption and report["target"] in caption
+    assert "interquartile range" in caption
+    c = report["cases"][0]
+    assert c["pinstage_q1_us"] <= c["pinstage_us"] <= c["pinstage_q3_us"]
+    lo, hi = cli._errors(report["cases"], "pinstage")
+    assert lo[0] == pytest.approx(c["pinstage_us"] - c["pinstage_q1_us"])
+    assert hi[0] == pytest.approx(c["pinstage_q3_us"] - c["pinstage_us"])
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    captured = {}
+    real_savefig = plt.Figure.savefig
+
+    def keep(self, *a, **k):
+        captured["texts"] = [t.get_text() for t in self.texts]
+        captured["errorbars"] = sum(getattr(c, "errorbar", None) is not None
+                                    for ax in self.axes for c in ax.containers)
+        return real_savefig(self, *a, **k)
+
+    plt.Figure.savefig = keep
+    try:
+        cli.write_plot(report, str(tmp_path / "c.png"))
+    finally:
+        plt.Figure.savefig = real_savefig
+    assert caption in captured["texts"]
+    assert captured["errorbars"] == 3  # both sides' bars and the speedup's

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import subprocess
 import sys
 from types import ModuleType
 
@@ -56,8 +57,30 @@ def test_multi_process_example_under_torchrun():
     import re
 
     ranks = re.findall(r"rank (\d)/2 on (cuda:\d): checksum (\d+) matches NumPy; "
-                       r"all-reduced (\d+); pinned staging for cuda:\d: (\d+) bytes reserved, "
-                       r"other devices in this process: \[0\]", proc.stdout)
+                       r"all-reduced (\d+); pinned staging reserved: (\d+) bytes for cuda:\d, "
+                       r"0 bytes for cuda:\d \(the other devices in this process\)", proc.stdout)
     assert sorted((r[0], r[1]) for r in ranks) == [("0", "cuda:0"), ("1", "cuda:1")], proc.stdout
     assert {int(r[3]) for r in ranks} == {sum(int(r[2]) for r in ranks)}  # the all-reduce
     assert all(int(r[4]) > 0 for r in ranks)  # each rank staged on its own device
+
+
+def _example(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(EXAMPLES / "engine_inputs.py"), *args],
+                          capture_output=True, text=True, timeout=200, cwd=EXAMPLES.parent)
+
+
+def test_engine_inputs_simulate_flag_runs_without_a_gpu():
+    proc = _example("--simulate", "--steps", "15")
+    assert proc.returncode == 0, proc.stderr
+    assert "'matches_reference': True" in proc.stdout and "'device': 'cuda" in proc.stdout
+    assert "simulated device work:" in proc.stdout and "'host_stalls': 0" in proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_engine_inputs_on_a_missing_device_is_one_line():
+    proc = _example("--device", "cuda", "--steps", "2")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "device 'cuda' is not available" in lines[0]
+    assert "--simulate" in lines[0]

@@ -138,3 +138,86 @@ def test_forked_child_logs_again():
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.count("pinned staging is off") == 2, proc.stderr
+
+
+# -- issue 16: the library logging convention -------------------------------------------------
+
+FALLBACK = (
+    "import pinstage\n"
+    "from pinstage.testing import simulated_accelerator\n"
+    "with simulated_accelerator(pin_memory=False) as sim:\n"
+    "    pinstage.capabilities(sim.device)\n"
+    "    pinstage.capabilities(sim.device)\n"
+    "print('done')\n"
+)
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PINSTAGE_")}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env={**clean, **env})
+
+
+def test_the_pinstage_logger_has_a_null_handler():
+    log = logging.getLogger("pinstage")
+    assert any(isinstance(h, logging.NullHandler) for h in log.handlers)
+    proc = _python("import logging, pinstage\n"
+                   "print([type(h).__name__ for h in logging.getLogger('pinstage').handlers])")
+    assert proc.stdout.strip() == "['NullHandler']", proc.stdout + proc.stderr
+
+
+def test_unconfigured_fallback_is_one_prefixed_line():
+    """Nothing configured: the fallback is printed once, as ``pinstage: warning: ...`` (not a
+    bare message from logging's last-resort handler)."""
+    proc = _python(FALLBACK)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("pinstage: warning: pinned staging is off for cuda:0")
+
+
+def test_configured_logging_gets_the_record_and_no_extra_line():
+    proc = _python("import logging\nlogging.basicConfig(format='LOG %(name)s %(levelname)s "
+                   "%(message)s')\n" + FALLBACK)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("LOG pinstage WARNING pinned staging is off")
+
+
+@pytest.mark.parametrize("value,printed", [("error", False), ("ERROR", False), ("40", False),
+                                           ("warning", True), ("debug", True)])
+def test_log_level_variable(value, printed):
+    proc = _python(FALLBACK + "import logging\n"
+                   "print(logging.getLevelName(logging.getLogger('pinstage').level))\n",
+                   PINSTAGE_LOG_LEVEL=value)
+    assert proc.returncode == 0, proc.stderr
+    assert ("pinstage: warning:" in proc.stderr) == printed, proc.stderr
+    expected = value.upper() if not value.isdigit() else logging.getLevelName(int(value))
+    assert proc.stdout.split()[-1] == expected
+
+
+def test_an_invalid_log_level_never_breaks_import_and_is_said_once():
+    proc = _python(FALLBACK, PINSTAGE_LOG_LEVEL="loud")
+    assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0].startswith("pinstage: warning: PINSTAGE_LOG_LEVEL='loud' is not a valid "
+                               "setting") and lines[0].endswith("ignored"), lines
+    assert len(lines) == 2 and "pinned staging is off" in lines[1]
+    from pinstage import _logging
+
+    with pytest.raises(ValueError, match="DEBUG, INFO, WARNING, ERROR, CRITICAL"):
+        os.environ["PINSTAGE_LOG_LEVEL"] = "loud"
+        try:
+            _logging.level_from_env()
+        finally:
+            del os.environ["PINSTAGE_LOG_LEVEL"]
+
+
+def test_configured_ignores_null_handlers(monkeypatch):
+    from pinstage import _logging
+
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    monkeypatch.setattr(logging.getLogger("pinstage"), "handlers", [logging.NullHandler()])
+    assert not _logging.configured()
+    monkeypatch.setattr(logging.getLogger(), "handlers", [logging.StreamHandler()])
+    assert _logging.configured()

@@ -71,3 +71,46 @@ def test_this_projects_gpu_tests_pass_on_the_simulated_cuda(mode):
                    cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1]
+
+
+TWO_FILES = {
+    "test_a.py": "def test_a():\n    assert True\n",
+    "test_b.py": "def test_b():\n    assert True\n",
+}
+
+
+@pytest.mark.parametrize("flag", [["--pinstage-simulate=lazzy"], ["--pinstage-simulate", "lazzy"]])
+def test_an_unknown_mode_is_a_usage_error_naming_the_modes(tmp_path, flag):
+    """A misspelt mode used to be accepted silently and run lazy (or all of the tests)."""
+    for name, text in TWO_FILES.items():
+        (tmp_path / name).write_text(text)
+    proc = _pytest(*flag, cwd=tmp_path)
+    assert proc.returncode == 4, proc.stdout + proc.stderr  # pytest's usage-error status
+    assert "passed" not in proc.stdout
+    assert "unknown mode 'lazzy'" in proc.stderr and "eager, lazy, random" in proc.stderr
+
+
+def test_a_test_path_after_the_bare_flag_is_not_swallowed(tmp_path):
+    """`pytest --pinstage-simulate test_a.py` runs test_a.py only, simulated (lazy)."""
+    for name, text in TWO_FILES.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "test_a.py").write_text(
+        "import torch\n\ndef test_a():\n    assert torch.cuda.is_available()\n")
+    proc = _pytest("--pinstage-simulate", "test_a.py", "-rA", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "PASSED test_a.py::test_a" in proc.stdout and "test_b" not in proc.stdout
+    assert "1 passed" in proc.stdout
+    # a node id and a directory are paths too; with a second path both run
+    proc = _pytest("--pinstage-simulate", "test_a.py::test_a", "test_b.py", cwd=tmp_path)
+    assert proc.returncode == 0 and "2 passed" in proc.stdout, proc.stdout
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "test_c.py").write_text("def test_c():\n    pass\n")
+    proc = _pytest("--pinstage-simulate", "sub", cwd=tmp_path)
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout
+
+
+def test_a_mode_after_the_bare_flag_is_a_mode(tmp_path):
+    (tmp_path / "test_m.py").write_text(
+        "from pinstage import _sim\n\ndef test_m():\n    assert _sim.current().mode == 'eager'\n")
+    proc = _pytest("--pinstage-simulate", "eager", "test_m.py", cwd=tmp_path)
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout + proc.stderr
