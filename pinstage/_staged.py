@@ -453,6 +453,59 @@ class StagedWriteTensor:
             del self._staged[: batch.count]  # only once queued: a failed apply keeps them
 
 
+    # -- vLLM's private staged state, as read-only views (code and tests ported from vLLM
+    # read these; see docs/compat-vllm.md). Each call decodes a snapshot of the staged list.
+    def _compat_writes(self) -> list[tuple[int, int, list[Any]]]:
+        """(index, start, values) per staged write, as vLLM's lists hold them. A 1-D table
+        keeps only ``index + start``: it is reported as the index, with start 0."""
+        _, stride, k, _ = self._geom
+        out = []
+        for off, _n, data in self._staged[:]:
+            if type(data) is bytes:
+                vals = np.frombuffer(data, self._np_dtype)
+                if self.dtype == torch.bfloat16:
+                    vals = torch.from_numpy(vals.copy()).view(torch.bfloat16).float().numpy()
+                values = vals.tolist()
+            else:
+                values = list(data.values if type(data) is _Snapshot else data)
+            out.append((off, 0, values) if k else (off // stride, off % stride, values))
+        return out
+
+    @property
+    def _staged_write_indices(self) -> list[int]:
+        return [w[0] for w in self._compat_writes()]
+
+    @property
+    def _staged_write_starts(self) -> list[int]:
+        return [w[1] for w in self._compat_writes()]
+
+    @property
+    def _staged_write_contents(self) -> list[Any]:
+        return [v for w in self._compat_writes() for v in w[2]]
+
+    @property
+    def _staged_write_cu_lens(self) -> list[int]:
+        return np.cumsum([len(w[2]) for w in self._compat_writes()], dtype=np.int64).tolist()
+
+    @property
+    def _staged_write_numel(self) -> int:
+        return self.num_staged
+
+    def _materialize_staged_write_contents(self) -> np.ndarray:
+        """vLLM's staged values as one array of the table's NumPy dtype (a copy)."""
+        npdt = torch_to_numpy(self.dtype) or np.dtype(np.float32)
+        return np.asarray(self._staged_write_contents, dtype=npdt)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_staged_write_"):
+            raise AttributeError(
+                f"StagedWriteTensor.{name} is a read-only view in pinstage: it keeps its own "
+                "representation of the staged writes (checked positions, packed values), so "
+                "vLLM's private lists cannot be set; stage with stage_write()/"
+                "stage_write_elem() (see docs/compat-vllm.md)")
+        object.__setattr__(self, name, value)
+
+
 class FusedStagedWriter:
     """Applies the staged writes of several :class:`StagedWriteTensor` (one per KV-cache
     group, say; dtypes may differ) with one host-to-device copy for all of them.
