@@ -90,8 +90,13 @@ def tensor_at(ptr: int, shape: Sequence[int] | int, dtype: torch.dtype) -> torch
     offset = ptr - storage.data_ptr()
     if offset % item:
         raise ValueError(f"address {ptr:#x} is not aligned to {dtype} ({item} bytes)")
+    strides: list[int] = []
+    step = 1
+    for d in reversed(dims):
+        strides.insert(0, step)
+        step *= max(d, 1)
     out = torch.empty(0, dtype=dtype)
-    return out.set_(storage, offset // item, dims)
+    return out.set_(storage, offset // item, dims, strides)
 
 
 class _StandIn:
