@@ -254,6 +254,18 @@ def _launch(backend: Backend, dev: torch.Tensor, batches: Sequence[_TableBatch],
     backend.launch(_scatter_all, *args)
 
 
+class _StagedView(list):  # type: ignore[type-arg]
+    """A read-only list: a snapshot of one of vLLM's private staging lists (changing it could
+    not change what is staged, so it refuses to, rather than silently doing nothing)."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("this is a read-only view of a pinstage StagedWriteTensor's staged "
+                        "writes; use clear_staged_writes() / stage_write() to change them")
+
+    append = extend = insert = remove = pop = clear = sort = reverse = _refuse
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse  # type: ignore[assignment]
+
+
 class StagedWriteTensor:
     """A device tensor ``.gpu`` (``rows`` or ``(rows, cols)``) updated by staged writes.
 
@@ -473,19 +485,20 @@ class StagedWriteTensor:
 
     @property
     def _staged_write_indices(self) -> list[int]:
-        return [w[0] for w in self._compat_writes()]
+        return _StagedView([w[0] for w in self._compat_writes()])
 
     @property
     def _staged_write_starts(self) -> list[int]:
-        return [w[1] for w in self._compat_writes()]
+        return _StagedView([w[1] for w in self._compat_writes()])
 
     @property
     def _staged_write_contents(self) -> list[Any]:
-        return [v for w in self._compat_writes() for v in w[2]]
+        return _StagedView([v for w in self._compat_writes() for v in w[2]])
 
     @property
     def _staged_write_cu_lens(self) -> list[int]:
-        return np.cumsum([len(w[2]) for w in self._compat_writes()], dtype=np.int64).tolist()
+        lens = [len(w[2]) for w in self._compat_writes()]
+        return _StagedView(np.cumsum(lens, dtype=np.int64).tolist())
 
     @property
     def _staged_write_numel(self) -> int:

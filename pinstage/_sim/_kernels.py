@@ -45,8 +45,9 @@ def _lookup(ptr: int, nbytes: int) -> torch.Tensor | None:
 
 
 def _scan() -> None:
-    """Note every live CPU tensor's storage (the simulator's device tensors keep their memory
-    in such tensors)."""
+    """Note every live CPU tensor's storage afresh (the simulator's device tensors keep their
+    memory in such tensors); entries of dead tensors go."""
+    _known.clear()
     for o in gc.get_objects():
         if type(o) is not torch.Tensor or o.device.type != "cpu":
             continue
@@ -55,7 +56,7 @@ def _scan() -> None:
         except (RuntimeError, NotImplementedError):
             continue
         base, size = st.data_ptr(), st.nbytes()
-        if size and base not in _known:
+        if size and _known.get(base, (0,))[0] < size:
             _known[base] = (size, weakref.ref(o))
 
 
@@ -73,7 +74,7 @@ def tensor_at(ptr: int, shape: Sequence[int] | int, dtype: torch.dtype) -> torch
         raise ValueError(f"shape must not be negative, got {dims}")
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
-    item = torch.empty((), dtype=dtype).element_size()
+    item = torch.empty((), dtype=dtype, device="cpu").element_size()
     numel = 1
     for d in dims:
         numel *= d
@@ -95,7 +96,7 @@ def tensor_at(ptr: int, shape: Sequence[int] | int, dtype: torch.dtype) -> torch
     for d in reversed(dims):
         strides.insert(0, step)
         step *= max(d, 1)
-    out = torch.empty(0, dtype=dtype)
+    out = torch.empty(0, dtype=dtype, device="cpu")
     return out.set_(storage, offset // item, dims, strides)
 
 

@@ -312,7 +312,11 @@ class _Patches:
                 impls[key] = value  # a dispatcher left in place (by a user patch over it)
                 continue
             if present is not _MISSING and not _is_torch_own(present):
-                continue  # a user patch: it keeps working (it calls down to what we patch)
+                # a user patch: left alone. If it wraps the dispatcher of an earlier session,
+                # that dispatcher reaches this simulator's stand-in.
+                if dispatcher is not None:
+                    impls[key] = value
+                continue
             if callable(value) and not isinstance(value, type):
                 if dispatcher is None:
                     dispatcher = self._dispatchers[key] = _make_dispatcher(key, present)
