@@ -456,6 +456,10 @@ def test_generic_accelerator_api_answers_for_the_simulated_devices():
         e.synchronize()
         assert sim.pending == 0 and x.tolist() == [6.0, 6.0, 6.0]
         acc.set_stream(torch.cuda.default_stream())
+        free, total = acc.get_memory_info(0)
+        assert 0 < free <= total and acc.memory_allocated(0) == 0
+        acc.empty_cache()
+        assert acc.get_device_capability(0) == {"major": 9, "minor": 0}
         # the host-side classes still build CPU streams/events
         assert type(torch.Event(device="cpu")) is real_event
     assert torch.Stream is real_stream and torch.Event is real_event

@@ -453,6 +453,11 @@ def _torch_level_names(sim: SimState) -> tuple[dict[str, Any], dict[str, Any]]:
         "_accelerator_setStream": set_stream,
         "_accelerator_synchronizeDevice": lambda idx=None: sched.synchronize(index(idx)),
         "_accelerator_getDeviceCapability": lambda idx=None: {"major": 9, "minor": 0},
+        # torch.accelerator.memory: no caching-allocator stats of torch's own to report (the
+        # simulator's memory figures are torch.cuda's), the device's free/total memory
+        "_accelerator_isAllocatorInitialized": lambda: False,
+        "_accelerator_emptyHostCache": lambda: None,
+        "_accelerator_getMemoryInfo": lambda idx=None: torch.cuda.mem_get_info(index(idx)),
     }
     return top, c
 
