@@ -51,3 +51,20 @@ def test_vllm_tests_on_pinstage_match_expected_in_every_mode():
         node = ("drivers/test_vendored_block_tables.py::"
                 "test_v2_block_tables_gather_and_slot_mappings[12]")
         assert results[m][node] == "passed"
+
+
+def test_vendored_vllm_files_are_unchanged():
+    import hashlib
+    import json
+
+    here = os.path.dirname(_RUN)
+    with open(os.path.join(here, "vendored.json")) as f:
+        files = json.load(f)["files"]
+    assert len(files) >= 8
+    for rel, meta in files.items():
+        with open(os.path.join(here, rel), "rb") as fh:
+            data = fh.read()
+        assert hashlib.sha256(data).hexdigest() == meta["sha256"], f"{rel} was edited"
+        text = data.decode("utf-8")
+        assert text.startswith("# SPDX-License-Identifier: Apache-2.0\n"), rel
+        assert "Copyright contributors to the vLLM project" in text.splitlines()[1], rel
