@@ -504,6 +504,15 @@ class StagedWriteTensor:
     def _staged_write_numel(self) -> int:
         return self.num_staged
 
+    @property
+    def write_contents(self) -> UvaBuffer | None:
+        """vLLM's ``write_contents`` is its UVA pool of write contents, there exactly when the
+        table itself lives in pinned host memory (``uva_instead_of_gpu`` with UVA). pinstage
+        stages contents through its fenced arena for every table, so this answers only
+        vLLM's question, whether the table takes that path: the ``UvaBuffer`` holding
+        ``.gpu``, else ``None``."""
+        return self._uva_buf
+
     def _materialize_staged_write_contents(self) -> np.ndarray:
         """vLLM's staged values as one array of the table's NumPy dtype (a copy)."""
         npdt = torch_to_numpy(self.dtype) or np.dtype(np.float32)

@@ -612,3 +612,13 @@ def test_vllm_private_staging_views_refuse_changes_clearly():
     # and pinstage's FusedStagedWriter refuses a table that is not pinstage's
     with pytest.raises(TypeError, match="StagedWriteTensor"):
         pinstage.FusedStagedWriter("cpu", 4).apply([object()])  # type: ignore[list-item]
+
+
+def test_write_contents_says_whether_the_table_lives_in_pinned_memory(target):
+    plain = pinstage.StagedWriteTensor((2, 4), torch.int32, target.device)
+    assert plain.write_contents is None
+    uva = pinstage.StagedWriteTensor((2, 4), torch.int32, target.device, uva_instead_of_gpu=True)
+    in_uva_buffer = pinstage.capabilities(target.device).uva  # (the CPU target: always)
+    assert (uva.write_contents is not None) == in_uva_buffer
+    if in_uva_buffer:
+        assert uva.write_contents.uva().data_ptr() == uva.gpu.data_ptr()
