@@ -253,6 +253,18 @@ def _launch(backend: Backend, dev: torch.Tensor, batches: Sequence[_TableBatch],
     backend.launch(_scatter_all, *args)
 
 
+class _StagedView(list):  # type: ignore[type-arg]
+    """A read-only list: a snapshot of one of vLLM's private staging lists (changing it could
+    not change what is staged, so it refuses to, rather than silently doing nothing)."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("this is a read-only view of a pinstage StagedWriteTensor's staged "
+                        "writes; use clear_staged_writes() / stage_write() to change them")
+
+    append = extend = insert = remove = pop = clear = sort = reverse = _refuse
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse  # type: ignore[assignment]
+
+
 class StagedWriteTensor:
     """A device tensor ``.gpu`` (``rows`` or ``(rows, cols)``) updated by staged writes.
 
@@ -454,6 +466,69 @@ class StagedWriteTensor:
         # only once queued, so a failed apply keeps them (interrupted between the two lines,
         # they are applied again by the next apply: the same values in the same order)
         del self._staged[: batch.count]
+
+
+    # -- vLLM's private staged state, as read-only views (code and tests ported from vLLM
+    # read these; see docs/compat-vllm.md). Each call decodes a snapshot of the staged list.
+    def _compat_writes(self) -> list[tuple[int, int, list[Any]]]:
+        """(index, start, values) per staged write, as vLLM's lists hold them. A 1-D table
+        keeps only ``index + start``: it is reported as the index, with start 0."""
+        _, stride, k, _ = self._geom
+        out = []
+        for off, _n, data in self._staged[:]:
+            if type(data) is bytes:
+                vals = np.frombuffer(data, self._np_dtype)
+                if self.dtype == torch.bfloat16:
+                    vals = torch.from_numpy(vals.copy()).view(torch.bfloat16).float().numpy()
+                values = vals.tolist()
+            else:
+                values = list(data.values if type(data) is _Snapshot else data)
+            out.append((off, 0, values) if k else (off // stride, off % stride, values))
+        return out
+
+    @property
+    def _staged_write_indices(self) -> list[int]:
+        return _StagedView([w[0] for w in self._compat_writes()])
+
+    @property
+    def _staged_write_starts(self) -> list[int]:
+        return _StagedView([w[1] for w in self._compat_writes()])
+
+    @property
+    def _staged_write_contents(self) -> list[Any]:
+        return _StagedView([v for w in self._compat_writes() for v in w[2]])
+
+    @property
+    def _staged_write_cu_lens(self) -> list[int]:
+        lens = [len(w[2]) for w in self._compat_writes()]
+        return _StagedView(np.cumsum(lens, dtype=np.int64).tolist())
+
+    @property
+    def _staged_write_numel(self) -> int:
+        return self.num_staged
+
+    @property
+    def write_contents(self) -> UvaBuffer | None:
+        """vLLM's ``write_contents`` is its UVA pool of write contents, there exactly when the
+        table itself lives in pinned host memory (``uva_instead_of_gpu`` with UVA). pinstage
+        stages contents through its fenced arena for every table, so this answers only
+        vLLM's question, whether the table takes that path: the ``UvaBuffer`` holding
+        ``.gpu``, else ``None``."""
+        return self._uva_buf
+
+    def _materialize_staged_write_contents(self) -> np.ndarray:
+        """vLLM's staged values as one array of the table's NumPy dtype (a copy)."""
+        npdt = torch_to_numpy(self.dtype) or np.dtype(np.float32)
+        return np.asarray(self._staged_write_contents, dtype=npdt)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_staged_write_"):
+            raise AttributeError(
+                f"StagedWriteTensor.{name} is a read-only view in pinstage: it keeps its own "
+                "representation of the staged writes (checked positions, packed values), so "
+                "vLLM's private lists cannot be set; stage with stage_write()/"
+                "stage_write_elem() (see docs/compat-vllm.md)")
+        object.__setattr__(self, name, value)
 
 
 class FusedStagedWriter:

@@ -10,13 +10,17 @@ at once (``"eager"``), only when the host must wait (``"lazy"``), or at seeded r
 copy whose host source changed before it ran, pinned memory pinstage freed while queued work
 still read it, a host write into the destination of a queued device-to-host copy, a tensor or
 array held in a list staged by ``stage_write`` and changed before ``apply_write``; in random
-mode duplicate positions in one scatter land in shuffled order. Like httpx's mock transport,
-it ships in the library so users test their own engine code with it.
+mode duplicate positions in one scatter land in shuffled order.
+``register_kernel(triton_kernel, torch_fn)`` runs a PyTorch stand-in for a Triton kernel
+(queued as one kernel), and ``tensor_at(ptr, shape, dtype)`` turns a raw pointer read from a
+table into a tensor over that memory, so Triton-using engine code runs in CPU CI. Like httpx's
+mock transport, it ships in the library so users test their own engine code with it.
 """
 
 from __future__ import annotations
 
 from ._errors import HazardError
-from ._sim import MODES, SimStats, Simulator, simulated_accelerator
+from ._sim import MODES, SimStats, Simulator, register_kernel, simulated_accelerator, tensor_at
 
-__all__ = ["MODES", "HazardError", "SimStats", "Simulator", "simulated_accelerator"]
+__all__ = ["MODES", "HazardError", "SimStats", "Simulator", "register_kernel",
+           "simulated_accelerator", "tensor_at"]

@@ -423,3 +423,183 @@ def test_a_thread_pool_outlives_one_simulator():
     with simulated_accelerator():
         assert pool.submit(lambda: torch.ones(3, device="cuda").sum().item()).result() == 3.0
     pool.shutdown()
+
+
+# -- issue 19: torch.accelerator, torch.Stream/torch.Event, user patches of torch.cuda,
+# PyTorch stand-ins for Triton kernels ---------------------------------------------------------
+
+def test_generic_accelerator_api_answers_for_the_simulated_devices():
+    real_stream, real_event = torch.Stream, torch.Event
+    assert not torch.accelerator.is_available()
+    with simulated_accelerator(mode="lazy", device_count=2) as sim:
+        acc = torch.accelerator
+        assert acc.is_available() and acc.device_count() == 2
+        assert acc.current_accelerator() == torch.device("cuda")
+        assert acc.current_device_index() == 0
+        with acc.device_index(1):
+            assert acc.current_device_index() == 1 and torch.cuda.current_device() == 1
+        assert acc.current_device_index() == 0
+        s = torch.Stream("cuda")
+        assert isinstance(s, torch.Stream) and isinstance(s, torch.cuda.Stream)
+        assert torch.Stream(device=torch.device("cuda", 1)).device_index == 1
+        acc.set_stream(s)
+        assert acc.current_stream() is s and torch.cuda.current_stream() is s
+        x = torch.ones(3, device="cuda")
+        x.add_(1)  # queued on s, not run (lazy)
+        assert sim.pending > 0
+        acc.synchronize()
+        assert sim.pending == 0
+        e = torch.Event()
+        assert isinstance(e, torch.Event) and isinstance(e, torch.cuda.Event)
+        x.mul_(3)
+        e.record(s)
+        e.synchronize()
+        assert sim.pending == 0 and x.tolist() == [6.0, 6.0, 6.0]
+        acc.set_stream(torch.cuda.default_stream())
+        free, total = acc.get_memory_info(0)
+        assert 0 < free <= total and acc.memory_allocated(0) == 0
+        acc.empty_cache()
+        assert acc.get_device_capability(0) == {"major": 9, "minor": 0}
+        # the host-side classes still build CPU streams/events
+        assert type(torch.Event(device="cpu")) is real_event
+    assert torch.Stream is real_stream and torch.Event is real_event
+    assert not torch.accelerator.is_available() and torch.accelerator.device_count() == 0
+
+
+def test_a_torch_cuda_patch_made_before_the_simulator_keeps_working():
+    """vLLM replaces torch.cuda.set_stream at import to track its current stream: the
+    simulator leaves the patch in place, and both set_stream calls and stream contexts reach
+    it (as torch.cuda.stream does on CUDA), in every thread."""
+    import threading
+
+    original = torch.cuda.set_stream
+    tracked = threading.local()
+
+    def patched(stream):  # type: ignore[no-untyped-def]
+        tracked.value = stream
+        original(stream)
+
+    torch.cuda.set_stream = patched
+    try:
+        for _ in range(2):  # two sessions in a row: not clobbered by either
+            with simulated_accelerator() as sim:
+                assert torch.cuda.set_stream is patched
+                s = torch.cuda.Stream()
+                torch.cuda.set_stream(s)
+                assert tracked.value is s and torch.cuda.current_stream() is s
+                other = torch.cuda.Stream()
+                seen = []
+
+                def child(other=other, seen=seen):  # type: ignore[no-untyped-def]
+                    with torch.cuda.stream(other):
+                        seen.append(tracked.value)
+                    seen.append(tracked.value)
+
+                t = threading.Thread(target=child)
+                t.start()
+                t.join()
+                assert seen[0] is other
+                assert seen[1] is sim.sched.default_stream()
+                assert tracked.value is s  # the main thread's is its own
+                torch.cuda.set_stream(torch.cuda.default_stream())
+            assert torch.cuda.set_stream is patched
+    finally:
+        torch.cuda.set_stream = original
+
+
+def test_a_torch_cuda_patch_made_while_open_survives_and_works_in_the_next_simulator():
+    calls = []
+    torch_own = torch.cuda.synchronize
+    with simulated_accelerator():
+        prev = torch.cuda.synchronize
+
+        def counting(device=None):  # type: ignore[no-untyped-def]
+            calls.append(device)
+            prev(device)
+
+        torch.cuda.synchronize = counting
+        torch.cuda.synchronize()
+    try:
+        assert torch.cuda.synchronize is counting  # not put back over the user's patch
+        with simulated_accelerator(mode="lazy") as sim2:
+            x = torch.zeros(2, device="cuda")
+            x.add_(1)
+            assert sim2.pending > 0
+            torch.cuda.synchronize()  # the patch reaches the *open* simulator
+            assert sim2.pending == 0 and len(calls) == 2
+        # the dispatcher the patch wrapped falls back to torch's own outside a simulator
+        with pytest.raises((AssertionError, RuntimeError, AttributeError)) as info:
+            counting()
+        assert "simulat" not in str(info.value)
+    finally:
+        torch.cuda.synchronize = torch_own
+
+
+class _FakeJit:
+    """The launch protocol of Triton's JITFunction: kernel[grid](...) calls kernel.run."""
+
+    def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+        return lambda *args, **kwargs: self.run(*args, grid=grid, warmup=False, **kwargs)
+
+    def run(self, *args, grid, warmup, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("Triton cannot launch without a GPU")
+
+
+def _add_through_pointer_table(ptrs, n, grid, BLOCK=1):  # noqa: N803
+    """A stand-in in the style of vLLM's block-table kernels: per program, the tensor at the
+    address in ``ptrs[program]`` gets program + 1 added."""
+    from pinstage.testing import tensor_at
+
+    for g, ptr in enumerate(ptrs.tolist()[: grid[0]]):
+        tensor_at(ptr, (n,), torch.int32).add_(g + 1)
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy", "random"])
+def test_register_kernel_runs_a_stand_in_as_one_queued_kernel(mode):
+    from pinstage.testing import register_kernel
+
+    kernel = _FakeJit()
+    undo = register_kernel(kernel, _add_through_pointer_table)
+    try:
+        with simulated_accelerator(mode=mode) as sim:
+            a = torch.zeros(4, dtype=torch.int32, device="cuda")
+            b = torch.zeros(4, dtype=torch.int32, device="cuda")
+            ptrs = torch.tensor([a.data_ptr(), b.data_ptr()], dtype=torch.uint64,
+                                device="cuda")
+            before = sim.stats.launches
+            kernel[(2,)](ptrs, 4)
+            assert sim.stats.launches >= before + 1
+            if mode == "lazy":
+                assert sim.pending > 0  # queued, not run
+            assert a.tolist() == [1] * 4 and b.tolist() == [2] * 4
+        c = torch.zeros(3, dtype=torch.int32)  # the CPU target: runs at once
+        kernel[(1,)](torch.tensor([c.data_ptr()], dtype=torch.uint64), 3)
+        assert c.tolist() == [1, 1, 1]
+    finally:
+        undo()
+    with pytest.raises(RuntimeError, match="without a GPU"):
+        kernel[(1,)](torch.zeros(1, dtype=torch.uint64), 1)
+
+
+def test_tensor_at_refuses_addresses_it_cannot_vouch_for():
+    from pinstage.testing import register_kernel, tensor_at
+
+    t = torch.arange(8, dtype=torch.int32)
+    view = tensor_at(t.data_ptr() + 8, (2, 3), torch.int32)
+    assert view.tolist() == [[2, 3, 4], [5, 6, 7]]
+    view[0, 0] = 99
+    assert int(t[2]) == 99  # the same memory
+    with pytest.raises(ValueError, match="no live tensor"):
+        tensor_at(t.data_ptr() + 8, (10,), torch.int32)  # runs past its end
+    with pytest.raises(ValueError, match="aligned"):
+        tensor_at(t.data_ptr() + 2, (1,), torch.int32)
+    with pytest.raises(ValueError, match="no live tensor"):
+        tensor_at(16, (1,), torch.int32)
+    with pytest.raises(TypeError):
+        tensor_at("0x10", (1,), torch.int32)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="callable"):
+        register_kernel(_FakeJit(), 3)  # type: ignore[arg-type]
+    with simulated_accelerator() as sim:
+        d = torch.arange(4, dtype=torch.int64, device="cuda")
+        torch.cuda.synchronize()
+        assert sim.tensor_at(d.data_ptr(), (4,), torch.int64).tolist() == [0, 1, 2, 3]

@@ -563,3 +563,62 @@ def test_simulator_catches_a_list_element_changed_before_apply(sim_target, eleme
     swt.apply_write()
     sim_target.sync()
     assert swt.gpu.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8], [0, 0, 0, 0]]
+
+
+# -- issue 19: vLLM's private staged state, as read-only views ---------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float32, torch.bfloat16])
+def test_vllm_private_staging_lists_are_views_of_what_is_staged(target, dtype):
+    swt = pinstage.StagedWriteTensor((4, 8), dtype, target.device)
+    swt.stage_write(2, 3, [3, 1, 2])
+    swt.stage_write(0, 1, np.array([-1, -2, -4]))
+    swt.stage_write_elem(1, 7)
+    assert swt._staged_write_indices == [2, 0, 1]
+    assert swt._staged_write_starts == [3, 1, 0]
+    assert swt._staged_write_contents == [3, 1, 2, -1, -2, -4, 7]
+    assert swt._staged_write_cu_lens == [3, 6, 7]
+    assert swt._staged_write_numel == 7
+    mat = swt._materialize_staged_write_contents()
+    assert mat.tolist() == [3, 1, 2, -1, -2, -4, 7] and mat.dtype == (
+        np.float32 if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype)
+    # what vLLM's FusedStagedWriter reads reproduces the table pinstage writes
+    ref = torch.zeros(4, 8, dtype=dtype)
+    cu = [0, *swt._staged_write_cu_lens]
+    for w, (i, s) in enumerate(zip(swt._staged_write_indices, swt._staged_write_starts)):
+        vals = swt._staged_write_contents[cu[w]:cu[w + 1]]
+        ref[i, s:s + len(vals)] = torch.tensor(vals, dtype=dtype)
+    swt.apply_write()
+    target.sync()
+    assert torch.equal(swt.gpu.cpu(), ref)
+    assert swt._staged_write_indices == [] and swt._staged_write_cu_lens == []
+    assert swt._materialize_staged_write_contents().size == 0
+
+
+def test_vllm_private_staging_views_refuse_changes_clearly():
+    swt = pinstage.StagedWriteTensor(8, torch.int64, "cpu")
+    swt.stage_write(2, 1, [5, 6])  # 1-D: vLLM's meaning, gpu[3:5]
+    assert swt._staged_write_indices == [3] and swt._staged_write_starts == [0]
+    for change in (lambda v: v.clear(), lambda v: v.append(1), lambda v: v.__setitem__(0, 1)):
+        with pytest.raises(TypeError, match="read-only view"):
+            change(swt._staged_write_indices)
+    with pytest.raises(AttributeError, match="read-only view"):
+        swt._staged_write_indices = []
+    # a table built as vLLM's test builds one (__new__, then assigning the lists) fails at
+    # the first assignment, saying why, rather than later with a missing attribute
+    bare = pinstage.StagedWriteTensor.__new__(pinstage.StagedWriteTensor)
+    with pytest.raises(AttributeError, match="stage_write"):
+        bare._staged_write_contents = []
+    assert swt._staged_write_contents == [5, 6]  # nothing changed
+    # and pinstage's FusedStagedWriter refuses a table that is not pinstage's
+    with pytest.raises(TypeError, match="StagedWriteTensor"):
+        pinstage.FusedStagedWriter("cpu", 4).apply([object()])  # type: ignore[list-item]
+
+
+def test_write_contents_says_whether_the_table_lives_in_pinned_memory(target):
+    plain = pinstage.StagedWriteTensor((2, 4), torch.int32, target.device)
+    assert plain.write_contents is None
+    uva = pinstage.StagedWriteTensor((2, 4), torch.int32, target.device, uva_instead_of_gpu=True)
+    in_uva_buffer = pinstage.capabilities(target.device).uva  # (the CPU target: always)
+    assert (uva.write_contents is not None) == in_uva_buffer
+    if in_uva_buffer:
+        assert uva.write_contents.uva().data_ptr() == uva.gpu.data_ptr()

@@ -27,12 +27,15 @@ import torch
 from .. import _registry, _state
 from .._device import Backend
 from .._errors import HazardError
-from . import _ops, _tensor, _torch_cuda
+from . import _kernels, _ops, _tensor, _torch_cuda
 from ._core import SimState, active, current, set_active
 from ._sched import MODES, SimStats
 
 __all__ = ["MODES", "HazardError", "SimStats", "Simulator", "active", "current",
-           "simulated_accelerator"]
+           "register_kernel", "simulated_accelerator", "tensor_at"]
+
+register_kernel = _kernels.register_kernel
+tensor_at = _kernels.tensor_at
 
 _ = _ops  # (imported for its registrations)
 
@@ -48,6 +51,12 @@ class Simulator(SimState):
         (UVA views, pinned tensors) are checked for host changes before it runs; ``writes``
         names the arguments it writes."""
         _ops.launch(self, fn, args, kwargs, tuple(writes))
+
+    def tensor_at(self, ptr: int, shape: Any, dtype: torch.dtype) -> torch.Tensor:
+        """Inside a kernel body: a plain tensor of ``shape``/``dtype`` over the simulated
+        device memory at address ``ptr`` (a device tensor's ``data_ptr()`` plus an offset, as
+        Triton kernels read from pointer tables)."""
+        return _kernels.tensor_at(ptr, shape, dtype)
 
     def backend_for(self, index: int) -> Backend:
         """pinstage's CUDA backend for simulated device ``index`` (the real CUDA backend code,
@@ -123,6 +132,7 @@ def _after_fork_in_child() -> None:
 
 
 _state.on_fork_child(_after_fork_in_child)
+_state.on_fork_child(_kernels._reset_after_fork)
 
 
 @contextlib.contextmanager

@@ -140,7 +140,7 @@ def _deferred(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> An
     fresh: list[tuple[int, torch.Tensor]] = []
 
     def make(i: int, m: torch.Tensor) -> torch.Tensor:
-        inner = torch.empty_strided(m.shape, m.stride(), dtype=m.dtype)
+        inner = torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device="cpu")
         if sim.mode != "eager":
             poison_(inner)
         fresh.append((i, inner))

@@ -156,8 +156,8 @@ def _from_proxy(x: Any) -> Any:
 def empty_device(sim: SimState, shape: Any, dtype: torch.dtype, index: int,
                  stride: Any = None) -> SimTensor:
     """Fresh simulated device memory: garbage (poison) until written, as on a GPU."""
-    inner = torch.empty(tuple(shape), dtype=dtype) if stride is None else \
-        torch.empty_strided(tuple(shape), tuple(stride), dtype=dtype)
+    inner = torch.empty(tuple(shape), dtype=dtype, device="cpu") if stride is None else \
+        torch.empty_strided(tuple(shape), tuple(stride), dtype=dtype, device="cpu")
     if sim.mode != "eager":
         poison_(inner)
     return SimTensor(inner, torch.device("cuda", index))
@@ -467,7 +467,8 @@ def _device_result(sim: SimState, values: torch.Tensor, index: int,
         if sim.mode != "eager":
             poison_(values)
         return SimTensor(values, torch.device("cuda", index))
-    inner = torch.empty_strided(values.shape, values.stride(), dtype=values.dtype)
+    inner = torch.empty_strided(values.shape, values.stride(), dtype=values.dtype,
+                                device="cpu")
     if sim.mode != "eager":
         poison_(inner)
     sim.sched.enqueue(sim.sched.current_stream(index), Op("fill (factory kernel)",

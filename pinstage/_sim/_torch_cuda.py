@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .._errors import DriverError, HazardError
-from ._core import SimState, active
+from ._core import SimState, active, current
 from ._hazards import Registration
 from ._sched import Op, SimEvent, SimStream
 from ._tensor import SimTensor
@@ -63,10 +63,22 @@ class StreamContext:
     def __enter__(self) -> None:
         if self.stream is not None:
             self.stream.sched.enter_stream(self.stream)
+            _tell_user_set_stream(self.stream)
 
     def __exit__(self, *exc: Any) -> None:
         if self.stream is not None:
-            self.stream.sched.exit_stream()
+            sched = self.stream.sched
+            sched.exit_stream()
+            _tell_user_set_stream(sched.current_stream(self.stream.device_index))
+
+
+def _tell_user_set_stream(stream: SimStream) -> None:
+    """As ``torch.cuda.stream`` does on CUDA, a stream context goes through
+    ``torch.cuda.set_stream``: a patch user code installed there (vLLM tracks its current
+    stream so) sees every change of stream."""
+    fn = getattr(torch.cuda, "set_stream", None)
+    if fn is not None and not _is_torch_own(fn):
+        fn(stream)
 
 
 def _new_stream(device: Any = None, priority: int = 0, **kwargs: Any) -> SimStream:
@@ -264,8 +276,196 @@ class SimDriver:
         return self.sim.sched.prohibits_unsafe()
 
 
+# c10's DeviceType of CUDA: torch.cuda.set_stream passes ``stream.device_type`` down
+SimStream.device_type = 1  # type: ignore[attr-defined]
+
+_MISSING = object()
+
+
+def _is_torch_own(value: Any) -> bool:
+    """Whether ``value`` is PyTorch's own (or pinstage's), not a patch user code installed."""
+    module = getattr(value, "__module__", None) or ""
+    return module.split(".")[0] in ("torch", "pinstage") or module == "builtins"
+
+
+class _Patches:
+    """Swaps stand-ins into a namespace (``torch.cuda``, ``torch``, ``torch._C``) without
+    clobbering patches user code made there: an attribute user code replaced (vLLM replaces
+    ``torch.cuda.set_stream`` at import) is left alone, and one user code replaces while the
+    simulator is open is not put back on leaving. Functions are installed as dispatchers that
+    call the open simulator's stand-in, or the original when none is open, so a user patch that
+    wraps one keeps working after the simulator closed and in the next one."""
+
+    _dispatchers: dict[tuple[int, str], Callable[..., Any]] = {}  # created once per process
+
+    def __init__(self, sim: SimState) -> None:
+        self.sim = sim
+        self.saved: list[tuple[Any, str, Any, Any]] = []  # (namespace, name, original, ours)
+
+    def install(self, namespace: Any, names: dict[str, Any]) -> None:
+        impls = _impls_of(self.sim)
+        for name, value in names.items():
+            present = getattr(namespace, name, _MISSING)
+            key = (id(namespace), name)
+            dispatcher = self._dispatchers.get(key)
+            if present is not _MISSING and dispatcher is not None and present is dispatcher:
+                impls[key] = value  # a dispatcher left in place (by a user patch over it)
+                continue
+            if present is not _MISSING and not _is_torch_own(present):
+                # a user patch: left alone. If it wraps the dispatcher of an earlier session,
+                # that dispatcher reaches this simulator's stand-in.
+                if dispatcher is not None:
+                    impls[key] = value
+                continue
+            if callable(value) and not isinstance(value, type):
+                if dispatcher is None:
+                    dispatcher = self._dispatchers[key] = _make_dispatcher(key, present)
+                impls[key] = value
+                ours = dispatcher
+            else:
+                ours = value
+            setattr(namespace, name, ours)
+            self.saved.append((namespace, name, present, ours))
+
+    def restore(self) -> None:
+        _impls_of(self.sim).clear()
+        for namespace, name, original, ours in reversed(self.saved):
+            if getattr(namespace, name, _MISSING) is not ours:
+                continue  # user code patched it while open: its patch stays
+            if original is _MISSING:
+                delattr(namespace, name)
+            else:
+                setattr(namespace, name, original)
+        self.saved.clear()
+
+
+def _impls_of(sim: SimState) -> dict[tuple[int, str], Any]:
+    impls = getattr(sim, "_torch_impls", None)
+    if impls is None:
+        impls = {}
+        sim._torch_impls = impls  # type: ignore[attr-defined]
+    return impls
+
+
+def _make_dispatcher(key: tuple[int, str], original: Any) -> Callable[..., Any]:
+    def dispatch(*args: Any, **kwargs: Any) -> Any:
+        sim = current()
+        impl = _impls_of(sim).get(key) if sim is not None and not sim.closed else None
+        if impl is not None:
+            return impl(*args, **kwargs)
+        if original is _MISSING:
+            raise AttributeError(f"{key[1]} exists only while a simulated accelerator is open")
+        return original(*args, **kwargs)
+
+    dispatch.__name__ = key[1]
+    dispatch.__qualname__ = key[1]
+    dispatch.__doc__ = (f"pinstage: the simulated {key[1]} while a simulator is open, else "
+                        "the original.")
+    return dispatch
+
+
+def _find_stream(sched: Any, stream_id: int, device_index: int) -> SimStream:
+    for s in sched.all_streams():
+        if s.stream_id == stream_id and s.device_index == device_index:
+            return s  # type: ignore[no-any-return]
+    raise RuntimeError(f"no simulated stream with id {stream_id} on device {device_index}")
+
+
+class _TorchStreamType(type):
+    """``torch.Stream`` while simulated: a ``cuda`` (or default) device makes a simulated
+    stream; other devices, and ``isinstance`` of real streams, are torch's own."""
+
+    real: Any = None
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, SimStream) or isinstance(obj, cls.real)
+
+    def __call__(cls, device: Any = None, *, priority: int = 0, **kwargs: Any) -> Any:
+        sim = current()
+        dev = torch.device(device) if isinstance(device, str) else device
+        if sim is None or (isinstance(dev, torch.device) and dev.type != "cuda"):
+            return cls.real(device, priority=priority, **kwargs)
+        return sim.sched.new_stream(dev, priority)
+
+
+class _TorchEventType(type):
+    """``torch.Event`` while simulated: events on the simulated device."""
+
+    real: Any = None
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, SimEvent) or isinstance(obj, cls.real)
+
+    def __call__(cls, device: Any = None, *, enable_timing: bool = False,
+                 blocking: bool = False, interprocess: bool = False, **kwargs: Any) -> Any:
+        sim = current()
+        dev = torch.device(device) if isinstance(device, str) else device
+        if sim is None or (isinstance(dev, torch.device) and dev.type != "cuda"):
+            return cls.real(device, enable_timing=enable_timing, blocking=blocking,
+                            interprocess=interprocess, **kwargs)
+        return SimEvent(sim.sched, enable_timing, blocking, interprocess)
+
+
+def _torch_level_names(sim: SimState) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Stand-ins for ``torch.Stream``/``torch.Event`` and for the ``torch._C`` entry points
+    the generic ``torch.accelerator`` API calls (patched there, below the Python functions,
+    so user patches of ``torch.accelerator.*`` keep working)."""
+    sched = sim.sched
+
+    class SimTorchStream(metaclass=_TorchStreamType):
+        """``torch.Stream`` while a simulator is open."""
+
+    class SimTorchEvent(metaclass=_TorchEventType):
+        """``torch.Event`` while a simulator is open."""
+
+    real_stream = torch.Stream if not isinstance(torch.Stream, _TorchStreamType) else \
+        torch.Stream.real
+    real_event = torch.Event if not isinstance(torch.Event, _TorchEventType) else \
+        torch.Event.real
+    SimTorchStream.real = real_stream  # type: ignore[attr-defined]
+    SimTorchEvent.real = real_event  # type: ignore[attr-defined]
+    SimTorchStream.__name__ = SimTorchStream.__qualname__ = "Stream"
+    SimTorchEvent.__name__ = SimTorchEvent.__qualname__ = "Event"
+
+    def index(device: Any) -> int:
+        return sched.device_index(None if device is None or device == -1 else device)
+
+    def exchange(idx: int) -> int:
+        prev = sched.current_device()
+        if idx is not None and idx >= 0:
+            sched.set_device(sched.device_index(idx))
+        return prev
+
+    def set_stream(stream: Any) -> None:
+        if not isinstance(stream, SimStream):
+            raise TypeError(f"set_stream() expects a simulated stream, got {stream!r}")
+        sched.set_stream(stream)
+
+    top = {"Stream": SimTorchStream, "Event": SimTorchEvent}
+    c = {
+        "_accelerator_getAccelerator": lambda: torch.device("cuda"),
+        "_get_accelerator": lambda *a: torch.device("cuda"),
+        "_accelerator_getDeviceIndex": sched.current_device,
+        "_accelerator_setDeviceIndex": lambda idx: exchange(idx) and None,
+        "_accelerator_exchangeDevice": exchange,
+        "_accelerator_maybeExchangeDevice": exchange,
+        "_accelerator_getStream": lambda idx=None: sched.current_stream(index(idx)),
+        "_accelerator_setStream": set_stream,
+        "_accelerator_synchronizeDevice": lambda idx=None: sched.synchronize(index(idx)),
+        "_accelerator_getDeviceCapability": lambda idx=None: {"major": 9, "minor": 0},
+        # torch.accelerator.memory: no caching-allocator stats of torch's own to report (the
+        # simulator's memory figures are torch.cuda's), the device's free/total memory
+        "_accelerator_isAllocatorInitialized": lambda: False,
+        "_accelerator_emptyHostCache": lambda: None,
+        "_accelerator_getMemoryInfo": lambda idx=None: torch.cuda.mem_get_info(index(idx)),
+    }
+    return top, c
+
+
 def install(sim: SimState) -> Callable[[], None]:
-    """Swap the simulated names into ``torch.cuda``; returns the undo function."""
+    """Swap the simulated names into ``torch.cuda``, ``torch.Stream``/``torch.Event`` and
+    ``torch.accelerator``'s entry points; returns the undo function. Attributes user code
+    patched are left as they are (see :class:`_Patches`)."""
     cuda = torch.cuda
     driver = SimDriver(sim)
     cudart = _Cudart(sim)
@@ -284,6 +484,9 @@ def install(sim: SimState) -> Callable[[], None]:
     def set_stream(stream: SimStream | None) -> None:
         if stream is not None:
             sched.set_stream(stream)
+
+    def set_stream_by_id(stream_id: int, device_index: int, device_type: int) -> None:
+        sched.set_stream(_find_stream(sched, stream_id, device_index))
 
     def is_current_stream_capturing() -> bool:
         return sched.current_stream().capture is not None
@@ -322,6 +525,7 @@ def install(sim: SimState) -> Callable[[], None]:
         "stream": StreamContext,
         "StreamContext": StreamContext,
         "set_stream": set_stream,
+        "_set_stream_by_id": set_stream_by_id,
         "CUDAGraph": SimGraph,
         "graph": graph,
         "is_current_stream_capturing": is_current_stream_capturing,
@@ -339,10 +543,11 @@ def install(sim: SimState) -> Callable[[], None]:
         "_sleep": lambda cycles: sched.enqueue(sched.current_stream(), Op(
             f"spin kernel of {cycles} cycles", None)),
     }
-    missing = object()
-    saved = {name: getattr(cuda, name, missing) for name in names}
-    for name, value in names.items():
-        setattr(cuda, name, value)
+    patches = _Patches(sim)
+    patches.install(cuda, names)
+    top, c_names = _torch_level_names(sim)
+    patches.install(torch, top)
+    patches.install(torch._C, c_names)
     # Tensor.record_stream parses its argument as a C++ stream before any Python override.
     real_record_stream = torch.Tensor.record_stream
 
@@ -354,11 +559,8 @@ def install(sim: SimState) -> Callable[[], None]:
     torch.Tensor.record_stream = record_stream  # type: ignore[method-assign,assignment]
 
     def restore() -> None:
-        torch.Tensor.record_stream = real_record_stream  # type: ignore[method-assign]
-        for name, value in saved.items():
-            if value is missing:
-                delattr(cuda, name)
-            else:
-                setattr(cuda, name, value)
+        if torch.Tensor.record_stream is record_stream:
+            torch.Tensor.record_stream = real_record_stream  # type: ignore[method-assign]
+        patches.restore()
 
     return restore

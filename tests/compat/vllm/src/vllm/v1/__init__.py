@@ -1,0 +1,1 @@
+"""pinstage compat shim, not vLLM code: package marker."""
