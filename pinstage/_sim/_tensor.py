@@ -470,8 +470,9 @@ def _device_result(sim: SimState, values: torch.Tensor, index: int,
     inner = torch.empty_strided(values.shape, values.stride(), dtype=values.dtype)
     if sim.mode != "eager":
         poison_(inner)
-    sim.sched.enqueue(sim.sched.current_stream(index), Op("fill (factory kernel)",
-                                              lambda _: inner.copy_(values)))
+    sim.sched.enqueue(sim.sched.current_stream(index), Op(
+        "fill (factory kernel)", lambda _: inner.copy_(values),
+        acc=("fill (factory kernel)", (), (inner,))))
     return SimTensor(inner, torch.device("cuda", index))
 
 
