@@ -19,17 +19,39 @@ which tensor, and the user's line that queued each.
 from __future__ import annotations
 
 import itertools
+import sys
 from typing import Any
 
 import torch
 
-from .._callsite import call_site
+from .. import _callsite
 from .._errors import HazardError
 
 __all__ = ["RaceTracker", "Access"]
 
 _TRACKERS = itertools.count(1)
+_PLAIN = torch._C.DisableTorchFunction
 _ATTR = "_pinstage_sim_races"  # on a storage: (tracker number, its _Region)
+# code object -> whether its frames are the user's (call_site's rule, cached: every access
+# asks, and walking the stack with string tests would be most of the checker's cost). The
+# same in a forked child: no reset needed.
+_USER_CODE: dict[Any, bool] = {}
+
+
+def _where() -> tuple[str, int]:
+    """The user's frame that queued the work: (file, line)."""
+    frame: Any = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        user = _USER_CODE.get(code)
+        if user is None:
+            fn = code.co_filename
+            user = _USER_CODE[code] = not _callsite._skipped(fn) and (
+                not fn.startswith(_callsite._PKG) or fn in _callsite._AS_USER)
+        if user:
+            return code.co_filename, frame.f_lineno
+        frame = frame.f_back
+    return "<unknown>", 0
 
 
 class Access:
@@ -37,7 +59,7 @@ class Access:
 
     __slots__ = ("hi", "kind", "lo", "seq", "shape", "stream", "what", "where", "dtype")
 
-    def __init__(self, kind: str, stream: Any, seq: int, what: str, where: str,
+    def __init__(self, kind: str, stream: Any, seq: int, what: str, where: tuple[str, int],
                  lo: int, hi: int, shape: Any, dtype: torch.dtype) -> None:
         self.kind, self.stream, self.seq, self.what, self.where = kind, stream, seq, what, where
         self.lo, self.hi, self.shape, self.dtype = lo, hi, shape, dtype
@@ -46,7 +68,7 @@ class Access:
         verb = "writes" if self.kind == "write" else "reads"
         return (f"{self.what} on {_stream_name(self.stream)} {verb} a {self.dtype} tensor of "
                 f"shape {tuple(self.shape)} (bytes {self.lo:#x}-{self.hi:#x}), queued at "
-                f"{self.where}")
+                f"{self.where[0]}:{self.where[1]}")
 
 
 def _stream_name(stream: Any) -> str:
@@ -145,37 +167,47 @@ class RaceTracker:
         return held[1]  # type: ignore[no-any-return]
 
     def access(self, stream: Any, seq: int, what: str, reads: Any = (), writes: Any = (),
-               where: str | None = None) -> None:
+               where: tuple[str, int] | None = None) -> None:
         """Work ``what`` queued on ``stream`` at position ``seq`` reads ``reads`` and writes
         ``writes`` (tensors over simulated memory): ``HazardError`` if that races with an
         access on another stream it is not ordered after; else it is recorded."""
         if not self.enabled:
             return
+        with _PLAIN():  # (tensor methods here must not go through the simulator's modes)
+            self._access(stream, seq, what, reads, writes, where)
+
+    def _access(self, stream: Any, seq: int, what: str, reads: Any, writes: Any,
+                where: tuple[str, int] | None) -> None:
         sid = stream.stream_id
         mine = self.clocks.get(sid)
-        site = where
+        site = where if where is not None else _where()
         todo: list[tuple[_Region, Access]] = []
-        wrote = {id(w) for w in writes} if writes else ()
-        for kind, tensors in (("write", writes), ("read", reads)):
-            for t in tensors:
-                if kind == "read" and id(t) in wrote:
-                    continue  # read and written: the write's checks cover both
-                if t.numel() == 0:
-                    continue
-                lo, hi = _range(t)
-                region = self._region(t)
-                for prev in region.writes if kind == "read" else (*region.writes,
-                                                                  *region.reads):
-                    if prev.lo < hi and lo < prev.hi and not self._ordered(sid, mine, prev):
-                        if site is None:
-                            site = call_site().where
-                        cur = Access(kind, stream, seq, what, site, lo, hi, t.shape, t.dtype)
-                        raise self._error(cur, prev)
-                if site is None:
-                    site = call_site().where
-                todo.append((region, Access(kind, stream, seq, what, site, lo, hi, t.shape,
-                                            t.dtype)))
-        for region, acc in todo:  # all checked: record them
+        for t in writes:
+            if t.numel() == 0:
+                continue
+            lo, hi = _range(t)
+            region = self._region(t)
+            for prevs in (region.writes, region.reads):
+                for prev in prevs:
+                    if prev.lo < hi and lo < prev.hi and prev.stream.stream_id != sid and \
+                            not self._ordered(sid, mine, prev):
+                        raise self._error(Access("write", stream, seq, what, site, lo, hi,
+                                                 t.shape, t.dtype), prev)
+            todo.append((region, Access("write", stream, seq, what, site, lo, hi, t.shape,
+                                        t.dtype)))
+        for t in reads:
+            if t.numel() == 0 or any(t is w for w in writes):
+                continue  # (read and written: the write's checks cover both)
+            lo, hi = _range(t)
+            region = self._region(t)
+            for prev in region.writes:
+                if prev.lo < hi and lo < prev.hi and prev.stream.stream_id != sid and \
+                        not self._ordered(sid, mine, prev):
+                    raise self._error(Access("read", stream, seq, what, site, lo, hi, t.shape,
+                                             t.dtype), prev)
+            todo.append((region, Access("read", stream, seq, what, site, lo, hi, t.shape,
+                                        t.dtype)))
+        for region, acc in todo:  # all checked: record them, dropping what they cover
             lo, hi = acc.lo, acc.hi
             if acc.kind == "write":
                 if region.writes:
