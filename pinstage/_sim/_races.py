@@ -187,7 +187,7 @@ class RaceTracker:
                 continue
             lo, hi = _range(t)
             region = self._region(t)
-            for prevs in (region.writes, region.reads):
+            for prevs in (region.reads, region.writes):  # (reads since: CSAN's order)
                 for prev in prevs:
                     if prev.lo < hi and lo < prev.hi and prev.stream.stream_id != sid and \
                             not self._ordered(sid, mine, prev):

@@ -137,7 +137,9 @@ class SimGraph:
             for op in self.ops:
                 reads = [r.again(op.label) for r in op.reads]
                 sched.enqueue(stream, Op(f"{op.label} (graph replay)", op.fn, reads,
-                                         host_writes=op.host_writes, acc=op.acc), None)
+                                         host_writes=op.host_writes,
+                                         acc=op.acc and (f"{op.acc[0]} (graph replay)",
+                                                         *op.acc[1:])), None)
 
     def reset(self) -> None:
         self.ops = []
