@@ -359,6 +359,26 @@ def device_state(backend: Backend) -> DeviceState:
     return state
 
 
+def forget(backend: Backend) -> None:
+    """``backend`` will never be used again (a simulator closed, after running everything it
+    queued): give back now the pinned memory only its state holds (staging arenas, free pool
+    slabs, parked memory; what callers still hold goes when they drop it), and drop the
+    state. Without this the state, kept by its own pinned memory's unpin callbacks, would
+    keep every closed simulator's arena reserved."""
+    state = _STATES.pop(backend, None)
+    if state is None:
+        return
+    try:
+        state.drain()  # (everything queued has run: each released region comes back)
+    finally:
+        _orphan(state.parking, state.parked)
+    with LOCK.lock:
+        state._arena = None
+        state.extra_arenas = weakref.WeakSet()
+        state.pool.free.clear()
+        state.pool.free_bytes = 0
+
+
 def all_states() -> list[DeviceState]:
     return list(_STATES.values())
 

@@ -67,11 +67,16 @@ class Simulator(SimState):
         return self.backend_for(0)
 
     def close(self) -> None:
-        """After the final synchronize: give back pinned memory pinstage parked for these
-        devices (everything that read it has run), then refuse further use."""
-        for backend in list(self.backends.values()):
-            _state.device_state(backend).collect()
-        self.sched.closed = True
+        """After the final synchronize: give back the pinned memory pinstage holds for these
+        devices (parked, staging arenas, pools: everything that read it has run), then
+        refuse further use."""
+        try:
+            for backend in list(self.backends.values()):
+                _state.device_state(backend).collect()
+        finally:
+            for backend in list(self.backends.values()):
+                _state.forget(backend)
+            self.sched.closed = True
 
 
 class _Provider:

@@ -170,6 +170,8 @@ def empty_device(sim: SimState, shape: Any, dtype: torch.dtype, index: int,
 def _torch_function(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     handler = _TF.get(func)
     if handler is not None:
+        if current() is None:  # its simulator closed: its memory stays readable on the host
+            return _after_close(func, args, kwargs)
         return handler(*args, **kwargs)
     if func not in _VIA_PROXY:
         try:
@@ -285,6 +287,8 @@ def _new_tensor(self: torch.Tensor, data: Any, dtype: Any = None, device: Any = 
 
 def _to(self: Any, *args: Any, **kwargs: Any) -> Any:
     """``Tensor.to`` for host tensors going to a simulated device and for device tensors."""
+    if is_device(self) and current() is None:
+        return _after_close(_T.to, (self, *args), kwargs)
     copy = bool(kwargs.pop("copy", False))
     if len(args) >= 4 and isinstance(args[-1], bool) and not isinstance(args[0], torch.Tensor):
         copy = bool(args[-1])  # to(device, dtype, non_blocking, copy)
@@ -373,8 +377,22 @@ _VIA_PROXY = {
 # __torch_dispatch__: what each aten op means on the simulated device
 
 
+def _after_close(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """A device tensor used after its simulator closed (everything queued has run): the op
+    runs on the host, over the memory's final values, and gives host tensors (a result
+    that would be the memory itself is a copy, as ``.cpu()`` of a device tensor is)."""
+    inners = [x._inner for x in pytree.tree_leaves((args, kwargs)) if is_device(x)]
+    a, k = pytree.tree_map(inner_of, (args, kwargs))
+    with torch._C.DisableTorchFunction():
+        out = func(*a, **k)
+        return pytree.tree_map_only(
+            torch.Tensor, lambda t: t.clone() if any(t is i for i in inners) else t, out)
+
+
 def _torch_dispatch(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    sim = _active()
+    sim = current()
+    if sim is None:
+        return _after_close(func, args, kwargs)
     with sim.sched.lock:
         handler = OPS.get(func.overloadpacket)
         if handler is not None:
