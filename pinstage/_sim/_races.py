@@ -18,7 +18,6 @@ which tensor, and the user's line that queued each.
 
 from __future__ import annotations
 
-import itertools
 import sys
 from typing import Any
 
@@ -29,13 +28,13 @@ from .._errors import HazardError
 
 __all__ = ["RaceTracker", "Access"]
 
-_TRACKERS = itertools.count(1)
 _PLAIN = torch._C.DisableTorchFunction
-_ATTR = "_pinstage_sim_races"  # on a storage: (tracker number, its _Region)
-# code object -> whether its frames are the user's (call_site's rule, cached: every access
-# asks, and walking the stack with string tests would be most of the checker's cost). The
-# same in a forked child: no reset needed.
-_USER_CODE: dict[Any, bool] = {}
+_ATTR = "_pinstage_sim_races"  # on a storage: what its tracker knows of it
+# id(code object) -> (it, whether its frames are the user's): call_site's rule, cached, as
+# every access asks (walking the stack with string tests would be most of the checker's
+# cost; keyed by id, as hashing a code object hashes its bytecode; holding the code keeps its
+# id unique). The same in a forked child: no reset needed.
+_USER_CODE: dict[int, tuple[Any, bool]] = {}
 
 
 def _where() -> tuple[str, int]:
@@ -43,32 +42,29 @@ def _where() -> tuple[str, int]:
     frame: Any = sys._getframe(2)
     while frame is not None:
         code = frame.f_code
-        user = _USER_CODE.get(code)
-        if user is None:
+        known = _USER_CODE.get(id(code))
+        if known is None or known[0] is not code:
             fn = code.co_filename
-            user = _USER_CODE[code] = not _callsite._skipped(fn) and (
-                not fn.startswith(_callsite._PKG) or fn in _callsite._AS_USER)
-        if user:
+            known = _USER_CODE[id(code)] = (code, not _callsite._skipped(fn) and (
+                not fn.startswith(_callsite._PKG) or fn in _callsite._AS_USER))
+        if known[1]:
             return code.co_filename, frame.f_lineno
         frame = frame.f_back
     return "<unknown>", 0
 
 
-class Access:
-    """One read or write of a byte range ``[lo, hi)`` by work queued on a stream."""
+# One read or write by work queued on a stream, as a tuple (made on every access: a tuple is
+# several times cheaper than an object): what, stream, its id, position, the user's
+# (file, line), bytes [lo, hi), shape, dtype.
+Access = tuple[Any, ...]
+_WHAT, _STREAM, _SID, _SEQ, _SITE, _LO, _HI, _SHAPE, _DTYPE = range(9)
 
-    __slots__ = ("hi", "kind", "lo", "seq", "shape", "stream", "what", "where", "dtype")
 
-    def __init__(self, kind: str, stream: Any, seq: int, what: str, where: tuple[str, int],
-                 lo: int, hi: int, shape: Any, dtype: torch.dtype) -> None:
-        self.kind, self.stream, self.seq, self.what, self.where = kind, stream, seq, what, where
-        self.lo, self.hi, self.shape, self.dtype = lo, hi, shape, dtype
-
-    def describe(self) -> str:
-        verb = "writes" if self.kind == "write" else "reads"
-        return (f"{self.what} on {_stream_name(self.stream)} {verb} a {self.dtype} tensor of "
-                f"shape {tuple(self.shape)} (bytes {self.lo:#x}-{self.hi:#x}), queued at "
-                f"{self.where[0]}:{self.where[1]}")
+def _describe(a: Access, verb: str) -> str:
+    where = a[_SITE]
+    return (f"{a[_WHAT]} on {_stream_name(a[_STREAM])} {verb} a {a[_DTYPE]} tensor of shape "
+            f"{tuple(a[_SHAPE])} (bytes {a[_LO]:#x}-{a[_HI]:#x}), queued at "
+            f"{where[0]}:{where[1]}")
 
 
 def _stream_name(stream: Any) -> str:
@@ -78,25 +74,12 @@ def _stream_name(stream: Any) -> str:
             f"stream {stream.stream_id} of {stream.device}")
 
 
-class _Region:
-    """What is known of one storage: writes not yet covered by a later one, reads since."""
-
-    __slots__ = ("reads", "writes")
-
-    def __init__(self) -> None:
-        self.writes: list[Access] = []
-        self.reads: list[Access] = []
-
-
 def _range(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes ``t`` may touch."""
+    """The bytes ``t`` (not empty) may touch."""
     lo = t.data_ptr()
-    n = t.numel()
-    if n == 0:
-        return lo, lo
     size = t.element_size()
     if t.is_contiguous():
-        return lo, lo + n * size
+        return lo, lo + t.numel() * size
     hi = lo
     for d, st in zip(t.shape, t.stride()):
         if st >= 0:
@@ -110,7 +93,6 @@ class RaceTracker:
     """The vector clocks of one scheduler's streams and the host, and the accesses made."""
 
     def __init__(self) -> None:
-        self.number = next(_TRACKERS)
         self.clocks: dict[int, dict[int, int]] = {}  # stream id -> {other stream id: seq}
         self.host: dict[int, int] = {}  # what the host has waited for
         self.enabled = True
@@ -150,21 +132,15 @@ class RaceTracker:
         elif self.host.get(stream.stream_id, 0) < seq:
             self.host[stream.stream_id] = seq
 
-    def _ordered(self, sid: int, mine: dict[int, int] | None, prev: Access) -> bool:
-        psid = prev.stream.stream_id
-        if psid == sid:
-            return True
-        seq = prev.seq
-        return (mine is not None and mine.get(psid, 0) >= seq) or self.host.get(psid, 0) >= seq
-
-    # -- accesses ----------------------------------------------------------------------------
-    def _region(self, t: torch.Tensor) -> _Region:
+    def _region(self, t: torch.Tensor) -> list[Any]:
+        """What is known of ``t``'s storage: [this tracker, writes not covered by a later
+        one, reads since]."""
         storage = t.untyped_storage()
         held = getattr(storage, _ATTR, None)
-        if held is None or held[0] != self.number:
-            held = (self.number, _Region())
+        if held is None or held[0] is not self:
+            held = [self, [], []]
             setattr(storage, _ATTR, held)
-        return held[1]  # type: ignore[no-any-return]
+        return held  # type: ignore[no-any-return]
 
     def access(self, stream: Any, seq: int, what: str, reads: Any = (), writes: Any = (),
                where: tuple[str, int] | None = None) -> None:
@@ -179,53 +155,56 @@ class RaceTracker:
     def _access(self, stream: Any, seq: int, what: str, reads: Any, writes: Any,
                 where: tuple[str, int] | None) -> None:
         sid = stream.stream_id
-        mine = self.clocks.get(sid)
+        mine = self.clocks.get(sid) or {}
+        host = self.host
         site = where if where is not None else _where()
-        todo: list[tuple[_Region, Access]] = []
+        todo: list[tuple[list[Any], Access, bool]] = []
         for t in writes:
-            if t.numel() == 0:
+            if not t.numel():
                 continue
             lo, hi = _range(t)
-            region = self._region(t)
-            for prevs in (region.reads, region.writes):  # (reads since: CSAN's order)
-                for prev in prevs:
-                    if prev.lo < hi and lo < prev.hi and prev.stream.stream_id != sid and \
-                            not self._ordered(sid, mine, prev):
-                        raise self._error(Access("write", stream, seq, what, site, lo, hi,
-                                                 t.shape, t.dtype), prev)
-            todo.append((region, Access("write", stream, seq, what, site, lo, hi, t.shape,
-                                        t.dtype)))
+            held = self._region(t)
+            for prevs, verb in ((held[2], "reads"), (held[1], "writes")):  # (CSAN's order)
+                for p in prevs:
+                    if p[_LO] < hi and lo < p[_HI] and p[_SID] != sid and \
+                            mine.get(p[_SID], 0) < p[_SEQ] and host.get(p[_SID], 0) < p[_SEQ]:
+                        raise _error("write", (what, stream, sid, seq, site, lo, hi, t.shape,
+                                               t.dtype), p, verb)
+            todo.append((held, (what, stream, sid, seq, site, lo, hi, t.shape, t.dtype), True))
+        wrote = {id(w) for w in writes} if writes else None
         for t in reads:
-            if t.numel() == 0 or any(t is w for w in writes):
+            if not t.numel() or (wrote is not None and id(t) in wrote):
                 continue  # (read and written: the write's checks cover both)
             lo, hi = _range(t)
-            region = self._region(t)
-            for prev in region.writes:
-                if prev.lo < hi and lo < prev.hi and prev.stream.stream_id != sid and \
-                        not self._ordered(sid, mine, prev):
-                    raise self._error(Access("read", stream, seq, what, site, lo, hi, t.shape,
-                                             t.dtype), prev)
-            todo.append((region, Access("read", stream, seq, what, site, lo, hi, t.shape,
-                                        t.dtype)))
-        for region, acc in todo:  # all checked: record them, dropping what they cover
-            lo, hi = acc.lo, acc.hi
-            if acc.kind == "write":
-                if region.writes:
-                    region.writes = [p for p in region.writes if p.lo < lo or p.hi > hi]
-                if region.reads:
-                    region.reads = [p for p in region.reads if p.lo < lo or p.hi > hi]
-                region.writes.append(acc)
+            held = self._region(t)
+            for p in held[1]:
+                if p[_LO] < hi and lo < p[_HI] and p[_SID] != sid and \
+                        mine.get(p[_SID], 0) < p[_SEQ] and host.get(p[_SID], 0) < p[_SEQ]:
+                    raise _error("read", (what, stream, sid, seq, site, lo, hi, t.shape,
+                                          t.dtype), p, "writes")
+            todo.append((held, (what, stream, sid, seq, site, lo, hi, t.shape, t.dtype),
+                         False))
+        for held, a, write in todo:  # all checked: record them, dropping what they cover
+            lo, hi = a[_LO], a[_HI]
+            if write:
+                if held[1]:
+                    held[1] = [p for p in held[1] if p[_LO] < lo or p[_HI] > hi]
+                if held[2]:
+                    held[2] = [p for p in held[2] if p[_LO] < lo or p[_HI] > hi]
+                held[1].append(a)
             else:
-                if region.reads:
-                    region.reads = [p for p in region.reads if p.lo < lo or p.hi > hi or
-                                    not self._ordered(sid, mine, p)]
-                region.reads.append(acc)
+                if held[2]:  # (a read covered and ordered before this one adds nothing)
+                    held[2] = [p for p in held[2] if p[_LO] < lo or p[_HI] > hi or (
+                        p[_SID] != sid and mine.get(p[_SID], 0) < p[_SEQ] and
+                        host.get(p[_SID], 0) < p[_SEQ])]
+                held[2].append(a)
 
-    def _error(self, cur: Access, prev: Access) -> HazardError:
-        kind = {("read", "write"): "read-after-write", ("write", "read"): "write-after-read",
-                ("write", "write"): "write-after-write"}[(cur.kind, prev.kind)]
-        return HazardError(
-            f"stream race ({kind}): {cur.describe()}; it is not ordered after "
-            f"{prev.describe()}. Nothing orders the two (no wait_stream/wait_event/"
-            "Event.wait between them, no host synchronization after the first), so on a GPU "
-            "they may run in either order or at once.")
+
+
+def _error(kind: str, cur: Access, prev: Access, prev_verb: str) -> HazardError:
+    name = f"{kind}-after-{prev_verb[:-1]}"
+    return HazardError(
+        f"stream race ({name}): {_describe(cur, kind + 's')}; it is not ordered after "
+        f"{_describe(prev, prev_verb)}. Nothing orders the two (no wait_stream/wait_event/"
+        "Event.wait between them, no host synchronization after the first), so on a GPU they "
+        "may run in either order or at once.")
