@@ -405,6 +405,7 @@ def test_reviewer_findings_stay_fixed():
         assert spins < 100
         # .to(int) means a CUDA device index; uint8 poison is not 0
         assert torch.ones(2).to(0).device == torch.device("cuda", 0)
+        torch.cuda.empty_cache()  # (a cached block would hold its last owner's bytes)
         assert torch.empty(4, dtype=torch.uint8, device="cuda").cpu().tolist() == [255] * 4
         assert d.type(torch.float64).device.type == "cuda"
     with simulated_accelerator(device_count=2, mode="lazy"):

@@ -131,17 +131,20 @@ _state.on_fork_child(_after_fork_in_child)
 
 @contextlib.contextmanager
 def simulated_accelerator(mode: str = "lazy", seed: int = 0, pin_memory: bool = True,
-                          uva: bool = True, device_count: int = 1) -> Iterator[Simulator]:
+                          uva: bool = True, device_count: int = 1,
+                          memory: int | str | None = None) -> Iterator[Simulator]:
     """Open a simulated CUDA with ``device_count`` devices; yields the :class:`Simulator`.
 
     While open, ``torch.cuda`` answers for the simulated devices, tensors made with
     ``device="cuda"`` live in host memory but report ``cuda``, and every operation on them is
-    queued on its stream and run per ``mode``. On leaving, everything queued runs (a hazard
+    queued on its stream and run per ``mode``. Device memory comes from a simulated caching
+    allocator (``memory``: the device's size, e.g. ``"8GiB"``; over it, allocations raise
+    ``torch.cuda.OutOfMemoryError``). On leaving, everything queued runs (a hazard
     raises there at the latest) and ``torch.cuda`` is restored.
     """
     if current() is not None:
         raise RuntimeError("a simulated accelerator is already open (one at a time)")
-    sim = Simulator(mode, seed, pin_memory, uva, device_count)
+    sim = Simulator(mode, seed, pin_memory, uva, device_count, memory)
     provider, facts = _Provider(sim), _Facts(sim)
     set_active(sim)
     restore = _torch_cuda.install(sim)

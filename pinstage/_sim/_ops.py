@@ -47,7 +47,8 @@ def _view(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     base = next(x for x in flat if is_device(x))
     a, k = pytree.tree_unflatten([inner_of(x) for x in flat], spec)
     out = func(*a, **k)
-    return pytree.tree_map_only(torch.Tensor, lambda t: wrap(t, device, base._host, proxy), out)
+    return pytree.tree_map_only(torch.Tensor,
+                                lambda t: wrap(t, device, base._host, proxy, base._block), out)
 
 
 def _meta(x: Any) -> Any:
@@ -140,11 +141,9 @@ def _deferred(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> An
     fresh: list[tuple[int, torch.Tensor]] = []
 
     def make(i: int, m: torch.Tensor) -> torch.Tensor:
-        inner = torch.empty_strided(m.shape, m.stride(), dtype=m.dtype)
-        if sim.mode != "eager":
-            poison_(inner)
+        inner, block = sim.device_empty(m.shape, m.stride(), m.dtype, device.index or 0)
         fresh.append((i, inner))
-        return wrap(inner, device, None, proxy)
+        return wrap(inner, device, None, proxy, block)
 
     result = _assemble(func, args, kwargs, meta_out, make)
     reads: list[HostRead] = []
@@ -272,7 +271,7 @@ def _empty_like(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> 
     ma, mk = pytree.tree_unflatten([_meta(x) for x in flat], spec)
     m = func(*ma, **mk)
     t = empty_device(sim, m.shape, m.dtype, device.index or 0, m.stride())
-    return Proxy(t._inner, device) if proxy else t
+    return Proxy(t._inner, device, None, t._block) if proxy else t
 
 
 def _copy(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:

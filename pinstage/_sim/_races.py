@@ -55,9 +55,9 @@ def _where() -> tuple[str, int]:
 
 # One read or write by work queued on a stream, as a tuple (made on every access: a tuple is
 # several times cheaper than an object): what, stream, its id, position, the user's
-# (file, line), bytes [lo, hi), shape, dtype.
+# (file, line), bytes [lo, hi), shape, dtype, which owner of reused memory made it.
 Access = tuple[Any, ...]
-_WHAT, _STREAM, _SID, _SEQ, _SITE, _LO, _HI, _SHAPE, _DTYPE = range(9)
+_WHAT, _STREAM, _SID, _SEQ, _SITE, _LO, _HI, _SHAPE, _DTYPE, _OWNER = range(10)
 
 
 def _describe(a: Access, verb: str) -> str:
@@ -134,13 +134,18 @@ class RaceTracker:
 
     def _region(self, t: torch.Tensor) -> list[Any]:
         """What is known of ``t``'s storage: [this tracker, writes not covered by a later
-        one, reads since]."""
+        one, reads since, how many times the caching allocator handed it out again]."""
         storage = t.untyped_storage()
         held = getattr(storage, _ATTR, None)
         if held is None or held[0] is not self:
-            held = [self, [], []]
+            held = [self, [], [], 0]
             setattr(storage, _ATTR, held)
         return held  # type: ignore[no-any-return]
+
+    def reused(self, t: torch.Tensor) -> None:
+        """The caching allocator hands ``t``'s memory to a new owner (its accesses stay:
+        queued work may still make them)."""
+        self._region(t)[3] += 1
 
     def access(self, stream: Any, seq: int, what: str, reads: Any = (), writes: Any = (),
                where: tuple[str, int] | None = None) -> None:
@@ -169,8 +174,9 @@ class RaceTracker:
                     if p[_LO] < hi and lo < p[_HI] and p[_SID] != sid and \
                             mine.get(p[_SID], 0) < p[_SEQ] and host.get(p[_SID], 0) < p[_SEQ]:
                         raise _error("write", (what, stream, sid, seq, site, lo, hi, t.shape,
-                                               t.dtype), p, verb)
-            todo.append((held, (what, stream, sid, seq, site, lo, hi, t.shape, t.dtype), True))
+                                               t.dtype, held[3]), p, verb)
+            todo.append((held, (what, stream, sid, seq, site, lo, hi, t.shape, t.dtype,
+                                held[3]), True))
         wrote = {id(w) for w in writes} if writes else None
         for t in reads:
             if not t.numel() or (wrote is not None and id(t) in wrote):
@@ -181,9 +187,9 @@ class RaceTracker:
                 if p[_LO] < hi and lo < p[_HI] and p[_SID] != sid and \
                         mine.get(p[_SID], 0) < p[_SEQ] and host.get(p[_SID], 0) < p[_SEQ]:
                     raise _error("read", (what, stream, sid, seq, site, lo, hi, t.shape,
-                                          t.dtype), p, "writes")
-            todo.append((held, (what, stream, sid, seq, site, lo, hi, t.shape, t.dtype),
-                         False))
+                                          t.dtype, held[3]), p, "writes")
+            todo.append((held, (what, stream, sid, seq, site, lo, hi, t.shape, t.dtype,
+                                held[3]), False))
         for held, a, write in todo:  # all checked: record them, dropping what they cover
             lo, hi = a[_LO], a[_HI]
             if write:
@@ -207,4 +213,9 @@ def _error(kind: str, cur: Access, prev: Access, prev_verb: str) -> HazardError:
         f"stream race ({name}): {_describe(cur, kind + 's')}; it is not ordered after "
         f"{_describe(prev, prev_verb)}. Nothing orders the two (no wait_stream/wait_event/"
         "Event.wait between them, no host synchronization after the first), so on a GPU they "
-        "may run in either order or at once.")
+        "may run in either order or at once." + (
+            " The memory was freed on the host and handed out again by the caching "
+            "allocator on the stream it was allocated on, while work queued on another "
+            "stream may still use it: call tensor.record_stream(that stream) before freeing "
+            "it (or make the allocating stream wait for that stream)."
+            if cur[_OWNER] != prev[_OWNER] else ""))

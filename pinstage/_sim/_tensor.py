@@ -27,7 +27,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._core import SimState, active, current
-from ._hazards import poison_
 from ._sched import Op
 
 __all__ = ["SimDispatchMode", "SimFunctionMode", "SimTensor", "OPS", "register_op",
@@ -73,7 +72,7 @@ _CPU = torch.device("cpu")
 
 
 def _wrapper(cls: Any, inner: torch.Tensor, device: torch.device, host: Any,
-             reported: torch.device) -> torch.Tensor:
+             reported: torch.device, block: Any = None) -> torch.Tensor:
     """A tensor of type ``cls`` with ``inner``'s layout, reporting ``reported`` as its device,
     whose data is ``inner`` on simulated ``device``."""
     r = torch.Tensor._make_wrapper_subclass(
@@ -82,6 +81,7 @@ def _wrapper(cls: Any, inner: torch.Tensor, device: torch.device, host: Any,
     r._inner = inner
     r._host = host
     r._sim_device = device
+    r._block = block  # the allocator's handle of its memory: freed when the last goes
     return r
 
 
@@ -91,10 +91,13 @@ class SimTensor(torch.Tensor):
     _inner: torch.Tensor
     _host: Any  # the pinned host memory this aliases (a UVA view), else None
     _sim_device: torch.device
+    _block: Any
 
     @staticmethod
-    def __new__(cls, inner: torch.Tensor, device: torch.device, host: Any = None) -> SimTensor:
-        return _wrapper(cls, inner, device, host, reported=device)  # type: ignore[return-value]
+    def __new__(cls, inner: torch.Tensor, device: torch.device, host: Any = None,
+                block: Any = None) -> SimTensor:
+        return _wrapper(cls, inner, device, host, reported=device,  # type: ignore[return-value]
+                        block=block)
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
@@ -117,9 +120,13 @@ class Proxy(torch.Tensor):
     _host: Any
     _sim_device: torch.device
 
+    _block: Any
+
     @staticmethod
-    def __new__(cls, inner: torch.Tensor, device: torch.device, host: Any = None) -> Proxy:
-        return _wrapper(cls, inner, device, host, reported=_CPU)  # type: ignore[return-value]
+    def __new__(cls, inner: torch.Tensor, device: torch.device, host: Any = None,
+                block: Any = None) -> Proxy:
+        return _wrapper(cls, inner, device, host, reported=_CPU,  # type: ignore[return-value]
+                        block=block)
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
@@ -141,26 +148,26 @@ def is_device(x: Any) -> bool:
 
 
 def wrap(inner: torch.Tensor, device: torch.device, host: Any = None,
-         proxy: bool = False) -> torch.Tensor:
-    return (Proxy if proxy else SimTensor)(inner, device, host)
+         proxy: bool = False, block: Any = None) -> torch.Tensor:
+    return (Proxy if proxy else SimTensor)(inner, device, host, block)
 
 
 def _to_proxy(x: Any) -> Any:
-    return Proxy(x._inner, x._sim_device, x._host) if isinstance(x, SimTensor) else x
+    return Proxy(x._inner, x._sim_device, x._host, x._block) if isinstance(x, SimTensor) \
+        else x
 
 
 def _from_proxy(x: Any) -> Any:
-    return SimTensor(x._inner, x._sim_device, x._host) if isinstance(x, Proxy) else x
+    return SimTensor(x._inner, x._sim_device, x._host, x._block) if isinstance(x, Proxy) \
+        else x
 
 
 def empty_device(sim: SimState, shape: Any, dtype: torch.dtype, index: int,
                  stride: Any = None) -> SimTensor:
-    """Fresh simulated device memory: garbage (poison) until written, as on a GPU."""
-    inner = torch.empty(tuple(shape), dtype=dtype) if stride is None else \
-        torch.empty_strided(tuple(shape), tuple(stride), dtype=dtype)
-    if sim.mode != "eager":
-        poison_(inner)
-    return SimTensor(inner, torch.device("cuda", index))
+    """Fresh simulated device memory (the caching allocator's): garbage until written, as on
+    a GPU."""
+    inner, block = sim.device_empty(shape, stride, dtype, index)
+    return SimTensor(inner, torch.device("cuda", index), None, block)
 
 
 # --------------------------------------------------------------------------------------------
@@ -259,7 +266,10 @@ def _data_ptr(self: Any) -> int:
 
 
 def _record_stream(self: torch.Tensor, stream: Any) -> None:
-    return None  # memory lifetime here is Python's: nothing to record
+    """The allocator holds this memory, once freed, until ``stream``'s work so far is done."""
+    block = getattr(self, "_block", None)
+    if block is not None:
+        block.record(stream)
 
 
 def _type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False,
@@ -481,17 +491,13 @@ def _device_result(sim: SimState, values: torch.Tensor, index: int,
     """A factory's result on simulated device ``index``. Only ``empty`` is free: the values
     of ``zeros``/``arange``/``randn``... are written by a kernel on the current stream
     (captured in a graph, ordered against other streams), so until it runs they are poison."""
+    inner, block = sim.device_empty(values.shape, values.stride(), values.dtype, index)
     if empty:
-        if sim.mode != "eager":
-            poison_(values)
-        return SimTensor(values, torch.device("cuda", index))
-    inner = torch.empty_strided(values.shape, values.stride(), dtype=values.dtype)
-    if sim.mode != "eager":
-        poison_(inner)
+        return SimTensor(inner, torch.device("cuda", index), None, block)
     sim.sched.enqueue(sim.sched.current_stream(index), Op(
         "fill (factory kernel)", lambda _: inner.copy_(values),
         acc=("fill (factory kernel)", (), (inner,))))
-    return SimTensor(inner, torch.device("cuda", index))
+    return SimTensor(inner, torch.device("cuda", index), None, block)
 
 
 def _pinned_factory(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -618,3 +624,4 @@ def stop_spreading() -> None:
 
 to = _to  # Tensor.to on simulated tensors (the aten handlers use it for .tolist() and such)
 from_proxy = _from_proxy
+record_stream = _record_stream  # Tensor.record_stream on simulated tensors
