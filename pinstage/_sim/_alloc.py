@@ -16,6 +16,7 @@ fit, after giving back the free cached blocks, raise ``torch.cuda.OutOfMemoryErr
 
 from __future__ import annotations
 
+import bisect
 import collections
 from typing import Any
 
@@ -28,11 +29,15 @@ TOTAL = 80 * 2**30  # the device memory reported when no limit is set
 
 
 class _Block:
-    __slots__ = ("buf", "pending", "size", "stream")
+    __slots__ = ("buf", "pending", "size", "stream", "views")
 
     def __init__(self, buf: torch.Tensor, size: int, stream: Any) -> None:
         self.buf, self.size, self.stream = buf, size, stream
         self.pending: list[tuple[Any, int, dict[int, int]]] = []  # (stream, seq, clock)
+        self.views: dict[torch.dtype, torch.Tensor] = {}  # the whole block, per dtype
+
+
+_ITEMSIZE: dict[torch.dtype, int] = {}
 
 
 class Handle:
@@ -52,7 +57,8 @@ class Handle:
     def __del__(self) -> None:
         try:  # (may run anywhere, as the collector frees it: only a thread-safe append here)
             block = self.block
-            block.pending = [(s, s.last, s.sched.races.snapshot(s)) for s in self.streams]
+            if self.streams:
+                block.pending = [(s, s.last, s.sched.races.snapshot(s)) for s in self.streams]
             self.alloc.freed.append(block)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
@@ -98,8 +104,7 @@ class Allocator:
 
     def _pool(self, block: _Block) -> None:
         pool = self.pools.setdefault(block.stream.stream_id, [])
-        pool.append(block)
-        pool.sort(key=lambda b: b.size)
+        bisect.insort(pool, block, key=_size)
 
     def empty_cache(self) -> None:
         """``torch.cuda.empty_cache()``: give back every free cached block."""
@@ -118,15 +123,19 @@ class Allocator:
         view of its block), the block's handle (``None`` for no bytes) and whether the block
         is new (a reused one holds its last owner's bytes, which queued work may still
         read: nothing may write it now)."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = _ITEMSIZE.get(dtype)
+        if itemsize is None:
+            itemsize = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype).element_size()
         n = 0 if any(d == 0 for d in shape) else \
             1 + sum((d - 1) * s for d, s in zip(shape, stride))
         if n == 0:
             return torch.empty_strided(shape, stride, dtype=dtype), None, True
         nbytes = n * itemsize
         block, new = self._take(max(ROUND, -(-nbytes // ROUND) * ROUND), stream)
-        raw = block.buf[:nbytes].view(dtype)
-        return raw.as_strided(shape, stride), Handle(self, block), new
+        typed = block.views.get(dtype)
+        if typed is None:  # (a block's size is a multiple of every dtype's size)
+            typed = block.views[dtype] = block.buf.view(dtype)
+        return typed.as_strided(shape, stride), Handle(self, block), new
 
     def _take(self, size: int, stream: Any) -> tuple[_Block, bool]:
         self._collect()
@@ -187,6 +196,10 @@ class Allocator:
         self._collect()
         total = self.limit if self.limit is not None else TOTAL
         return total - self.reserved, total
+
+
+def _size(block: _Block) -> int:
+    return block.size
 
 
 def _mib(n: int) -> str:

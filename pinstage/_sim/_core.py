@@ -59,10 +59,16 @@ class SimState:
         current stream; a new block is poisoned (outside eager mode) as fresh GPU memory is
         garbage, a reused one keeps its last owner's bytes (queued work may read them)."""
         shape = tuple(shape)
-        if stride is None:
-            stride = tuple(torch.empty(shape, device="meta").stride())
-        inner, handle, new = self.allocators[index].empty_strided(
-            shape, tuple(stride), dtype, self.sched.current_stream(index))
+        if stride is None:  # contiguous
+            stride, step = [], 1
+            for d in reversed(shape):
+                stride.append(step)
+                step *= max(d, 1)
+            stride.reverse()
+        stream = self.sched.current_stream(index)
+        with torch._C.DisableTorchFunction():  # (tensor calls here skip the simulator's modes)
+            inner, handle, new = self.allocators[index].empty_strided(
+                shape, tuple(stride), dtype, stream)
         if new and poison and self.mode != "eager":
             poison_(inner)
         return inner, handle
