@@ -359,12 +359,12 @@ def device_state(backend: Backend) -> DeviceState:
     return state
 
 
-def forget(backend: Backend) -> None:
-    """``backend`` will never be used again (a simulator closed, after running everything it
+def retire(backend: Backend) -> None:
+    """``backend`` does no more work (a simulator closed, after running everything it
     queued): give back now the pinned memory only its state holds (staging arenas, free pool
     slabs, parked memory; what callers still hold goes when they drop it), and drop the
-    state. Without this the state, kept by its own pinned memory's unpin callbacks, would
-    keep every closed simulator's arena reserved."""
+    state (stop fencing on it). Without this the state, kept by its own pinned memory's unpin
+    callbacks, would keep every closed simulator's arena reserved."""
     state = _STATES.pop(backend, None)
     if state is None:
         return

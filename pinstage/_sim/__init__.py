@@ -75,7 +75,7 @@ class Simulator(SimState):
                 _state.device_state(backend).collect()
         finally:
             for backend in list(self.backends.values()):
-                _state.forget(backend)
+                _state.retire(backend)  # (its queue has run: nothing it holds is read)
             self.sched.closed = True
 
 
