@@ -112,3 +112,25 @@ def test_the_memory_argument_is_checked():
     with pytest.raises(TypeError):
         with simulated_accelerator("lazy", memory=True):
             pass
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_memory_a_graph_captured_is_never_handed_out_again(mode):
+    """A temporary freed inside a capture is the graph's (its replays write it): a later
+    allocation on the capture stream gets other memory, so replays corrupt nothing."""
+    with simulated_accelerator(mode):
+        capture = torch.cuda.Stream()
+        static_in = torch.ones(256, device="cuda")
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=capture):
+            tmp = static_in * 2
+            static_out = tmp + 1
+            del tmp
+        gc.collect()
+        with torch.cuda.stream(capture):
+            mine = torch.full((256,), 7.0, device="cuda")  # same size as tmp
+        torch.cuda.current_stream().wait_stream(capture)
+        g.replay()
+        torch.cuda.synchronize()
+        assert static_out.tolist() == [3.0] * 256
+        assert mine.tolist() == [7.0] * 256

@@ -29,10 +29,13 @@ TOTAL = 80 * 2**30  # the device memory reported when no limit is set
 
 
 class _Block:
-    __slots__ = ("buf", "pending", "size", "stream", "views")
+    __slots__ = ("buf", "graph", "pending", "size", "stream", "views")
 
     def __init__(self, buf: torch.Tensor, size: int, stream: Any) -> None:
         self.buf, self.size, self.stream = buf, size, stream
+        # allocated while a graph was captured: the graph's replays write it, so it is never
+        # handed out again (a graph's private pool; its captured work keeps the bytes)
+        self.graph = stream.capture is not None
         self.pending: list[tuple[Any, int, dict[int, int]]] = []  # (stream, seq, clock)
         self.views: dict[torch.dtype, torch.Tensor] = {}  # the whole block, per dtype
 
@@ -86,7 +89,9 @@ class Allocator:
             block = freed.popleft()
             self.allocated -= block.size
             self.counts["free"] += 1
-            if block.pending:
+            if block.graph:
+                self.reserved -= block.size
+            elif block.pending:
                 self.waiting.append(block)
             else:
                 self._pool(block)
@@ -139,7 +144,7 @@ class Allocator:
 
     def _take(self, size: int, stream: Any) -> tuple[_Block, bool]:
         self._collect()
-        pool = self.pools.get(stream.stream_id)
+        pool = self.pools.get(stream.stream_id) if stream.capture is None else None
         if pool:
             for i, block in enumerate(pool):
                 if size <= block.size <= 2 * size:
