@@ -134,3 +134,15 @@ def test_memory_a_graph_captured_is_never_handed_out_again(mode):
         torch.cuda.synchronize()
         assert static_out.tolist() == [3.0] * 256
         assert mine.tolist() == [7.0] * 256
+
+
+def test_the_cache_is_bounded():
+    """Free blocks beyond the cache's bound are given back (host memory, here)."""
+    from pinstage._sim import _alloc
+
+    with simulated_accelerator("lazy"):
+        for n in range(1, 21):  # 16 MiB .. 320 MiB, each freed at once: all different sizes
+            torch.empty(n * 16 * MiB, dtype=torch.uint8, device="cuda")
+        gc.collect()
+        assert torch.cuda.memory_allocated() == 0
+        assert torch.cuda.memory_reserved() <= _alloc.CACHE_KEEP

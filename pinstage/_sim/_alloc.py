@@ -26,6 +26,9 @@ __all__ = ["Allocator", "Handle", "cuda_names", "ROUND"]
 
 ROUND = 512  # block sizes are multiples of this, as in PyTorch's allocator
 TOTAL = 80 * 2**30  # the device memory reported when no limit is set
+# Free cached blocks kept at most (the device's memory is the host's here: a long session of
+# varied sizes must not grow without bound); beyond it the largest are given back.
+CACHE_KEEP = 256 * 2**20
 
 
 class _Block:
@@ -110,6 +113,13 @@ class Allocator:
     def _pool(self, block: _Block) -> None:
         pool = self.pools.setdefault(block.stream.stream_id, [])
         bisect.insort(pool, block, key=_size)
+        cached = self.reserved - self.allocated - sum(b.size for b in self.waiting)
+        while cached > CACHE_KEEP:
+            biggest = max((p for p in self.pools.values() if p), key=lambda p: p[-1].size)
+            gone = biggest.pop()
+            self.reserved -= gone.size
+            cached -= gone.size
+            self.counts["segment_free"] += 1
 
     def empty_cache(self) -> None:
         """``torch.cuda.empty_cache()``: give back every free cached block."""
