@@ -266,6 +266,12 @@ class StagingArena:
         """Regions handed out and not yet taken back."""
         return sum(len(b.live) for b in self._blocks)
 
+    def forget(self) -> None:
+        """The device is gone: uncount every region still handed out (caller holds the lock)."""
+        for block in self._blocks:
+            for region in list(block.live):
+                self.host.stats.remove(region.key)
+
     def staging(self, nbytes: int) -> Staging:
         """An interrupt-safe region of ``nbytes``: ``with arena.staging(n) as region:``."""
         return Staging(self, nbytes)

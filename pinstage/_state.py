@@ -387,12 +387,31 @@ def device_state(backend: Backend) -> DeviceState:
 
 
 def retire(backend: Backend) -> None:
-    """``backend`` does no more work (a simulator closed after running its queue): give back
-    what is parked for it now and stop fencing on it (later sessions never touch it)."""
+    """``backend`` does no more work (a simulator closed, after running everything it
+    queued): give back now the pinned memory only its state holds (staging arenas, free pool
+    slabs, parked memory; what callers still hold goes when they drop it), and drop the
+    state (later sessions never fence on it). Without this the state, kept by its own pinned
+    memory's unpin callbacks, would keep every closed simulator's arena reserved."""
     state = _STATES.pop(backend, None)
     if state is not None:
-        _orphan(state.parking, state.parked)
+        try:
+            state.drain()  # (everything queued has run: each released region comes back)
+        finally:
+            _orphan(state.parking, state.parked)
+            with LOCK.lock: _drop_held(state)  # noqa: E701 - (one line: see _host)
     drain_orphans()
+
+
+def _drop_held(state: DeviceState) -> None:
+    """What only ``state`` holds goes (its device is gone): the arenas' regions are uncounted
+    (no device will read them) and the arenas and free pool slabs dropped (their memory is
+    orphaned, given back by ``drain_orphans``)."""
+    for arena in state.arenas():
+        arena.forget()
+    state._arena = None
+    state.extra_arenas = weakref.WeakSet()
+    state.pool.free.clear()
+    state.pool.free_bytes = 0
 
 
 def all_states() -> list[DeviceState]:

@@ -41,9 +41,10 @@ def test_readme_commands_are_the_ci_commands():
     assert install.index("torch==2.13.0") < install.index("pip install pinstage")
 
 
-def test_readme_unordered_streams_show_garbage():
-    """The comment in the first block is true: without the event, the result is garbage."""
+def test_readme_unordered_streams_raise_a_race():
+    """The comment in the first block is true: without the event, the read is a race."""
     code = RUNNABLE[0].replace("torch.cuda.current_stream().wait_event(ready)", "pass")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300)
-    assert proc.returncode == 0 and "-9223372036854775807" in proc.stdout, proc.stdout
+    assert proc.returncode != 0 and "HazardError: stream race (read-after-write)" in \
+        proc.stderr, proc.stderr

@@ -76,12 +76,16 @@ class Simulator(SimState):
         return self.backend_for(0)
 
     def close(self) -> None:
-        """After the final synchronize: give back pinned memory pinstage parked for these
-        devices (everything that read it has run), then refuse further use."""
-        for backend in list(self.backends.values()):
-            _state.device_state(backend).collect()
-            _state.retire(backend)  # (its queue has run: nothing it parked is read any more)
-        self.sched.closed = True
+        """After the final synchronize: give back the pinned memory pinstage holds for these
+        devices (parked, staging arenas, pools: everything that read it has run), then
+        refuse further use."""
+        try:
+            for backend in list(self.backends.values()):
+                _state.device_state(backend).collect()
+        finally:
+            for backend in list(self.backends.values()):
+                _state.retire(backend)  # (its queue has run: nothing it holds is read)
+            self.sched.closed = True
 
 
 class _Provider:
@@ -137,17 +141,20 @@ _state.on_fork_child(_kernels._reset_after_fork)
 
 @contextlib.contextmanager
 def simulated_accelerator(mode: str = "lazy", seed: int = 0, pin_memory: bool = True,
-                          uva: bool = True, device_count: int = 1) -> Iterator[Simulator]:
+                          uva: bool = True, device_count: int = 1,
+                          memory: int | str | None = None) -> Iterator[Simulator]:
     """Open a simulated CUDA with ``device_count`` devices; yields the :class:`Simulator`.
 
     While open, ``torch.cuda`` answers for the simulated devices, tensors made with
     ``device="cuda"`` live in host memory but report ``cuda``, and every operation on them is
-    queued on its stream and run per ``mode``. On leaving, everything queued runs (a hazard
+    queued on its stream and run per ``mode``. Device memory comes from a simulated caching
+    allocator (``memory``: the device's size, e.g. ``"8GiB"``; over it, allocations raise
+    ``torch.cuda.OutOfMemoryError``). On leaving, everything queued runs (a hazard
     raises there at the latest) and ``torch.cuda`` is restored.
     """
     if current() is not None:
         raise RuntimeError("a simulated accelerator is already open (one at a time)")
-    sim = Simulator(mode, seed, pin_memory, uva, device_count)
+    sim = Simulator(mode, seed, pin_memory, uva, device_count, memory)
     provider, facts = _Provider(sim), _Facts(sim)
     set_active(sim)
     restore = _torch_cuda.install(sim)

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._hazards import PinnedBlock, PinnedRanges
+from ._alloc import Allocator, Handle
+from ._hazards import PinnedBlock, PinnedRanges, poison_
 from ._sched import MODES, Scheduler, SimStats
 
 __all__ = ["SimState", "current", "active", "set_active"]
@@ -24,7 +25,8 @@ class SimState:
     """A simulated CUDA process state; see :func:`pinstage.testing.simulated_accelerator`."""
 
     def __init__(self, mode: str = "lazy", seed: int = 0, pin_memory: bool = True,
-                 uva: bool = True, device_count: int = 1) -> None:
+                 uva: bool = True, device_count: int = 1, memory: int | str | None = None
+                 ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
@@ -41,6 +43,35 @@ class SimState:
         self.sched = Scheduler(mode, seed, device_count)
         self.pinned = PinnedRanges()  # torch-pinned blocks and pinstage registrations
         self.backends: dict[int, Any] = {}  # pinstage's backend per device index
+        limit = None
+        if memory is not None:
+            from .._host import parse_size
+
+            limit = parse_size(memory, "memory")
+            if limit <= 0:
+                raise ValueError(f"memory must be a positive size, got {memory!r}")
+        self.memory = limit
+        self.allocators = [Allocator(i, limit) for i in range(device_count)]
+
+    def device_empty(self, shape: Any, stride: Any, dtype: torch.dtype, index: int,
+                     poison: bool = True) -> tuple[torch.Tensor, Handle | None]:
+        """Device memory from the caching allocator of device ``index``, allocated on its
+        current stream; a new block is poisoned (outside eager mode) as fresh GPU memory is
+        garbage, a reused one keeps its last owner's bytes (queued work may read them)."""
+        shape = tuple(shape)
+        if stride is None:  # contiguous
+            stride, step = [], 1
+            for d in reversed(shape):
+                stride.append(step)
+                step *= max(d, 1)
+            stride.reverse()
+        stream = self.sched.current_stream(index)
+        with torch._C.DisableTorchFunction():  # (tensor calls here skip the simulator's modes)
+            inner, handle, new = self.allocators[index].empty_strided(
+                shape, tuple(stride), dtype, stream)
+        if new and poison and self.mode != "eager":
+            poison_(inner)
+        return inner, handle
 
     # -- what users and tests read -----------------------------------------------------------
     @property

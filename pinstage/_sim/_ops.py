@@ -47,7 +47,8 @@ def _view(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     base = next(x for x in flat if is_device(x))
     a, k = pytree.tree_unflatten([inner_of(x) for x in flat], spec)
     out = func(*a, **k)
-    return pytree.tree_map_only(torch.Tensor, lambda t: wrap(t, device, base._host, proxy), out)
+    return pytree.tree_map_only(torch.Tensor,
+                                lambda t: wrap(t, device, base._host, proxy, base._block), out)
 
 
 def _meta(x: Any) -> Any:
@@ -140,11 +141,9 @@ def _deferred(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> An
     fresh: list[tuple[int, torch.Tensor]] = []
 
     def make(i: int, m: torch.Tensor) -> torch.Tensor:
-        inner = torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device="cpu")
-        if sim.mode != "eager":
-            poison_(inner)
+        inner, block = sim.device_empty(m.shape, m.stride(), m.dtype, device.index or 0)
         fresh.append((i, inner))
-        return wrap(inner, device, None, proxy)
+        return wrap(inner, device, None, proxy, block)
 
     result = _assemble(func, args, kwargs, meta_out, make)
     reads: list[HostRead] = []
@@ -161,8 +160,10 @@ def _deferred(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> An
         else:
             inner_flat.append(x)
     ia, ik = pytree.tree_unflatten(inner_flat, spec)
-    host_writes = [span(w._inner) for w in _written_args(func, args, kwargs)
-                   if is_device(w) and w._host is not None]
+    written = [w for w in _written_args(func, args, kwargs) if is_device(w)]
+    host_writes = [span(w._inner) for w in written if w._host is not None]
+    acc = (packet.__name__, [x._inner for x in flat if is_device(x)],
+           [*(w._inner for w in written), *(inner for _, inner in fresh)])
     if reads:
         label = call_site().describe(label)
     seed = int(sim.sched.rng.integers(1 << 62)) if sim.mode == "random" and packet in _SCATTERS \
@@ -180,7 +181,7 @@ def _deferred(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> An
                 inner.copy_(leaves[i])
 
     sim.sched.enqueue(sim.sched.current_stream(device),
-                      Op(label, run, reads, host_writes=host_writes))
+                      Op(label, run, reads, host_writes=host_writes, acc=acc))
     return result
 
 
@@ -220,8 +221,13 @@ def _host_fallback(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any],
     """An op whose output size depends on device values: the host waits for the stream, then
     runs it (a host stall inside pinstage calls, as on CUDA)."""
     stream = sim.sched.current_stream(device)
-    sim.sched.host_wait(stream, stream.last, f"{func.overloadpacket.__name__} (its output size "
-                  "depends on device values)")
+    name = func.overloadpacket.__name__
+    flat = pytree.tree_leaves((args, kwargs))
+    sim.sched.races.access(stream, stream.last, name, [x._inner for x in flat if is_device(x)],
+                           [w._inner for w in _written_args(func, args, kwargs)
+                            if is_device(w)])
+    sim.sched.host_wait(stream, stream.last, f"{name} (its output size depends on device "
+                        "values)")
     ia, ik = pytree.tree_map(inner_of, (args, kwargs))
     with torch._C.DisableTorchFunction():
         out = func(*ia, **ik)
@@ -233,6 +239,7 @@ def _host_fallback(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any],
 
 def _host_read(sim: SimState, x: Any, what: str) -> torch.Tensor:
     stream = sim.sched.current_stream(x._sim_device)
+    sim.sched.races.access(stream, stream.last, what, (x._inner,))
     sim.sched.host_wait(stream, stream.last, what)
     return x._inner  # type: ignore[no-any-return]
 
@@ -264,7 +271,7 @@ def _empty_like(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> 
     ma, mk = pytree.tree_unflatten([_meta(x) for x in flat], spec)
     m = func(*ma, **mk)
     t = empty_device(sim, m.shape, m.dtype, device.index or 0, m.stride())
-    return Proxy(t._inner, device) if proxy else t
+    return Proxy(t._inner, device, None, t._block) if proxy else t
 
 
 def _copy(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -280,10 +287,15 @@ def _copy(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
             if src._host is not None else []
         d_in, s_in = dst._inner, src._inner
         writes = [span(d_in)] if dst._host is not None else []
+        if deps:  # the copy runs after the source device's current work
+            sim.sched.races.join(stream, sim.sched.races.snapshot(deps[0][0]))
         sim.sched.enqueue(stream, Op("device-to-device copy", lambda _: d_in.copy_(s_in), reads,
-                               deps=deps, host_writes=writes), "d2d_copies")
+                                     deps=deps, host_writes=writes,
+                                     acc=("device-to-device copy", (s_in,), (d_in,))),
+                          "d2d_copies")
         if deps:  # PyTorch orders a peer copy on both devices' current streams
             other = deps[0][0]
+            sim.sched.races.join(other, sim.sched.races.snapshot(stream))
             sim.sched.enqueue(other, Op("wait for a peer copy", None,
                                   deps=[(stream, stream.last)]), None)
         return dst
@@ -303,18 +315,21 @@ def _h2d(sim: SimState, dst: Any, src: torch.Tensor, nb: bool) -> Any:
     writes = [span(d_in)] if dst._host is not None else []
     if src.dim() == 0:  # a scalar passed by value (x[i] = 5): a fill kernel
         value = src.clone()
-        sim.sched.enqueue(stream, Op("fill", lambda _: d_in.copy_(value), host_writes=writes))
+        sim.sched.enqueue(stream, Op("fill", lambda _: d_in.copy_(value), host_writes=writes,
+                                     acc=("fill", (), (d_in,))))
         return dst
     pinned = sim.is_pinned(src) and src.is_contiguous()
     if nb and pinned:  # async: the device reads the pinned source when the copy runs
         label = call_site().describe("host-to-device copy")
         read = HostRead.of(sim.pinned, src, "pinned host source")
         sim.sched.enqueue(stream, Op(label, lambda rs: d_in.copy_(rs[0]), [read],
-                               host_writes=writes), "copies")
+                                     host_writes=writes,
+                                     acc=("host-to-device copy", (src,), (d_in,))), "copies")
         return dst
     if stream.capture is not None:
         raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture "
                            "unless the CPU tensor is pinned.")
+    sim.sched.races.access(stream, stream.last, "blocking host-to-device copy", (), (d_in,))
     sim.sched.stats.copies += 1
     if pinned:  # blocking copy from pinned memory: the host waits for the stream
         sim.sched.host_wait(stream, stream.last, "a blocking host-to-device copy")
@@ -327,6 +342,7 @@ def _h2d(sim: SimState, dst: Any, src: torch.Tensor, nb: bool) -> Any:
         sim.sched.stats.syncs += 1
         sim.sched.stats.host_stalls += 1
         sim.sched.run_until(stream, stream.last)
+        sim.sched.races.host_waited(stream, stream.last)
     with torch._C.DisableTorchFunction():
         d_in.copy_(src)
     return dst
@@ -346,8 +362,11 @@ def _d2h(sim: SimState, dst: torch.Tensor, src: Any, nb: bool) -> Any:
                            "host before the copy ran)")
         label = call_site().describe("device-to-host copy")
         sim.sched.enqueue(stream, Op(label, lambda rs: rs[0].copy_(s_in), [read],
-                               host_writes=[span(dst)]), "d2h_copies")
+                                     host_writes=[span(dst)],
+                                     acc=("device-to-host copy", (s_in,), (dst,))),
+                          "d2h_copies")
         return dst
+    sim.sched.races.access(stream, stream.last, "blocking device-to-host copy", (s_in,))
     sim.sched.stats.d2h_copies += 1
     sim.sched.host_wait(stream, stream.last, "a device-to-host copy")
     with torch._C.DisableTorchFunction():
@@ -407,8 +426,19 @@ def launch(sim: SimState, fn: Callable[..., Any], args: Any, kwargs: dict[str, A
     host_writes = [span(inner_of(w)) for w in writes if isinstance(w, torch.Tensor) and (
         (is_device(w) and getattr(w, "_host", None) is not None) or
         (not is_device(w) and sim.is_pinned(w)))]
-    label = call_site().describe(f"kernel {name}")
-    sim.sched.enqueue(sim.sched.current_stream(device), Op(label, lambda _: fn(*a, **k), reads,
-                                               host_writes=host_writes))
+    site = call_site()
+    label = site.describe(f"kernel {name}")
+    tensors = [x for x in flat if isinstance(x, torch.Tensor) and
+               (is_device(x) or sim.is_pinned(x))]
+    written = [inner_of(w) for w in writes if isinstance(w, torch.Tensor)]
+    acc = (f"kernel {name}", [inner_of(x) for x in tensors if not any(x is w for w in writes)],
+           written)
+
+    def body(_: list[torch.Tensor]) -> None:
+        with torch._C._EnableTorchFunction():  # ops on device tensors inside are the kernel's
+            fn(*a, **k)
+
+    sim.sched.enqueue(sim.sched.current_stream(device), Op(label, body, reads,
+                                                           host_writes=host_writes, acc=acc))
 
 

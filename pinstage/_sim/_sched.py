@@ -26,6 +26,7 @@ import torch
 
 from .._callsite import in_pinstage_call
 from ._hazards import HostRead
+from ._races import RaceTracker
 
 __all__ = ["Op", "SimStream", "SimEvent", "SimStats", "Scheduler", "MAX_QUEUED", "MODES"]
 
@@ -60,12 +61,15 @@ class SimStats:
 class Op:
     """One queued device operation."""
 
-    __slots__ = ("deps", "fn", "host_writes", "label", "reads", "seq", "stream")
+    __slots__ = ("acc", "deps", "fn", "host_writes", "label", "reads", "seq", "stream")
 
     def __init__(self, label: str, fn: Callable[[list[torch.Tensor]], Any] | None,
                  reads: list[HostRead] | None = None,
                  deps: list[tuple[SimStream, int]] | None = None,
-                 host_writes: list[tuple[int, int]] | None = None) -> None:
+                 host_writes: list[tuple[int, int]] | None = None,
+                 acc: tuple[str, Any, Any] | None = None) -> None:
+        # acc: (what, tensors read, tensors written) in simulated memory, for the race check
+        self.acc = acc
         self.label = label
         self.fn = fn  # called with the checked host reads, in order
         self.reads = reads or []
@@ -95,6 +99,7 @@ class SimStream:
         """Work queued on this stream from now on waits for ``event``'s point."""
         if event.stream is None:
             return
+        self.sched.races.join(self, event.clock)
         self.sched.enqueue(self, Op(f"wait for an event of stream {event.stream.stream_id}",
                                     None, deps=[(event.stream, event.seq)]), None)
 
@@ -114,8 +119,9 @@ class SimStream:
         sched.check_not_capturing("Stream.query()")
         with sched.lock:
             sched.maybe_progress()
-            if self.done < self.last:
-                return sched.poll(self, self.last)
+            if self.done < self.last and not sched.poll(self, self.last):
+                return False
+            sched.races.host_waited(self, self.last)
             return True
 
     def synchronize(self) -> None:
@@ -148,6 +154,7 @@ class SimEvent:
         self.stream: SimStream | None = None
         self.seq = 0
         self.captured = False
+        self.clock: dict[int, int] | None = None  # the stream's vector clock when recorded
         self.enable_timing = enable_timing
         self.blocking = blocking
 
@@ -165,6 +172,7 @@ class SimEvent:
             self.stream = stream
             self.seq = stream.last
             self.captured = stream.capture is not None
+            self.clock = sched.races.snapshot(stream)
 
     def query(self) -> bool:
         sched = self.sched
@@ -178,8 +186,9 @@ class SimEvent:
             return True
         with sched.lock:
             sched.maybe_progress()
-            if stream.done < self.seq:
-                return sched.poll(stream, self.seq)
+            if stream.done < self.seq and not sched.poll(stream, self.seq):
+                return False
+            sched.races.host_join(self.clock)
             return True
 
     def synchronize(self) -> None:
@@ -187,6 +196,7 @@ class SimEvent:
             return
         # (torch's sync debug mode does not see event synchronizations)
         self.sched.host_wait(self.stream, self.seq, "Event.synchronize()", sync_debug=False)
+        self.sched.races.host_join(self.clock)
 
     def wait(self, stream: SimStream | None = None) -> None:
         stream = stream if stream is not None else self.sched.current_stream()
@@ -239,6 +249,7 @@ class Scheduler:
         self._captures: dict[int, tuple[int, str]] = {}  # id(graph) -> (thread, mode)
         self._invalidated: dict[int, str] = {}  # id(graph) -> what invalidated its capture
         self._polls: dict[tuple[int, int], int] = {}
+        self.races = RaceTracker()  # vector clocks and accesses: races found when queued
 
     def reset_lock(self) -> None:
         """In a forked child: the thread that held the lock is gone."""
@@ -384,6 +395,9 @@ class Scheduler:
         if self.bad_fork:
             raise RuntimeError(BAD_FORK)
         self.used = True
+        if _tls.running:  # inside a kernel's body: part of that kernel, run now
+            self._run_inline(op)
+            return
         if stream.sched is not self:
             raise RuntimeError(f"{stream!r} belongs to a simulator that has closed; make "
                                "streams inside the simulator that uses them")
@@ -392,6 +406,9 @@ class Scheduler:
             raise RuntimeError(f"CUDA error: {err} (a sticky error left by an earlier failed "
                                "driver call that nobody cleared; simulated)")
         with self.lock:
+            if op.acc is not None and stream.capture is None:  # (a graph checks at replay)
+                what, reads, writes = op.acc
+                self.races.access(stream, stream.last + 1, what, reads, writes)
             if count is not None:
                 setattr(self.stats, count, getattr(self.stats, count) + 1)
             if stream.capture is not None:
@@ -456,6 +473,14 @@ class Scheduler:
                     raise
                 stream.done = (stream.queue.popleft(), op.seq)[1]
 
+    def _run_inline(self, op: Op) -> None:
+        """An op queued by a kernel's body while it runs: part of that kernel (its accesses
+        are the kernel's), so it runs now, in place."""
+        if op.fn is not None:
+            tensors = [r.check(op.label) for r in op.reads]
+            with torch._C.DisableTorchFunction():
+                op.fn(tensors)
+
     def _run_op(self, op: Op) -> None:
         """Execute one op now (its dependencies are done): check its host reads, run it."""
         label = op.label
@@ -487,6 +512,8 @@ class Scheduler:
                   in_pinstage: bool | None = None) -> None:
         """The host waits until ``stream`` has run up to ``seq``; ``sync_debug``: torch's
         sync debug mode flags this kind of wait."""
+        if _tls.running:  # a kernel's body reading device memory: it is current there
+            return
         self.check_usable()
         self.check_not_capturing(what)
         if sync_debug and self.sync_debug_mode:
@@ -500,6 +527,7 @@ class Scheduler:
             else:
                 self.stats.syncs += 1
             self.run_until(stream, seq)
+            self.races.host_waited(stream, seq)
 
     def synchronize(self, device: Any = None) -> None:
         """Run everything queued (on ``device``, default all devices); not a host stall."""
@@ -513,6 +541,8 @@ class Scheduler:
             while any(s.queue for s in streams):
                 for s in streams:
                     self.run_until(s, s.last)
+            for s in streams:
+                self.races.host_waited(s, s.last)
 
     @property
     def pending(self) -> int:

@@ -27,7 +27,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._core import SimState, active, current
-from ._hazards import poison_
 from ._sched import Op
 
 __all__ = ["SimDispatchMode", "SimFunctionMode", "SimTensor", "OPS", "register_op",
@@ -73,7 +72,7 @@ _CPU = torch.device("cpu")
 
 
 def _wrapper(cls: Any, inner: torch.Tensor, device: torch.device, host: Any,
-             reported: torch.device) -> torch.Tensor:
+             reported: torch.device, block: Any = None) -> torch.Tensor:
     """A tensor of type ``cls`` with ``inner``'s layout, reporting ``reported`` as its device,
     whose data is ``inner`` on simulated ``device``."""
     r = torch.Tensor._make_wrapper_subclass(
@@ -82,6 +81,7 @@ def _wrapper(cls: Any, inner: torch.Tensor, device: torch.device, host: Any,
     r._inner = inner
     r._host = host
     r._sim_device = device
+    r._block = block  # the allocator's handle of its memory: freed when the last goes
     return r
 
 
@@ -91,10 +91,13 @@ class SimTensor(torch.Tensor):
     _inner: torch.Tensor
     _host: Any  # the pinned host memory this aliases (a UVA view), else None
     _sim_device: torch.device
+    _block: Any
 
     @staticmethod
-    def __new__(cls, inner: torch.Tensor, device: torch.device, host: Any = None) -> SimTensor:
-        return _wrapper(cls, inner, device, host, reported=device)  # type: ignore[return-value]
+    def __new__(cls, inner: torch.Tensor, device: torch.device, host: Any = None,
+                block: Any = None) -> SimTensor:
+        return _wrapper(cls, inner, device, host, reported=device,  # type: ignore[return-value]
+                        block=block)
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
@@ -117,9 +120,13 @@ class Proxy(torch.Tensor):
     _host: Any
     _sim_device: torch.device
 
+    _block: Any
+
     @staticmethod
-    def __new__(cls, inner: torch.Tensor, device: torch.device, host: Any = None) -> Proxy:
-        return _wrapper(cls, inner, device, host, reported=_CPU)  # type: ignore[return-value]
+    def __new__(cls, inner: torch.Tensor, device: torch.device, host: Any = None,
+                block: Any = None) -> Proxy:
+        return _wrapper(cls, inner, device, host, reported=_CPU,  # type: ignore[return-value]
+                        block=block)
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
@@ -141,26 +148,26 @@ def is_device(x: Any) -> bool:
 
 
 def wrap(inner: torch.Tensor, device: torch.device, host: Any = None,
-         proxy: bool = False) -> torch.Tensor:
-    return (Proxy if proxy else SimTensor)(inner, device, host)
+         proxy: bool = False, block: Any = None) -> torch.Tensor:
+    return (Proxy if proxy else SimTensor)(inner, device, host, block)
 
 
 def _to_proxy(x: Any) -> Any:
-    return Proxy(x._inner, x._sim_device, x._host) if isinstance(x, SimTensor) else x
+    return Proxy(x._inner, x._sim_device, x._host, x._block) if isinstance(x, SimTensor) \
+        else x
 
 
 def _from_proxy(x: Any) -> Any:
-    return SimTensor(x._inner, x._sim_device, x._host) if isinstance(x, Proxy) else x
+    return SimTensor(x._inner, x._sim_device, x._host, x._block) if isinstance(x, Proxy) \
+        else x
 
 
 def empty_device(sim: SimState, shape: Any, dtype: torch.dtype, index: int,
                  stride: Any = None) -> SimTensor:
-    """Fresh simulated device memory: garbage (poison) until written, as on a GPU."""
-    inner = torch.empty(tuple(shape), dtype=dtype, device="cpu") if stride is None else \
-        torch.empty_strided(tuple(shape), tuple(stride), dtype=dtype, device="cpu")
-    if sim.mode != "eager":
-        poison_(inner)
-    return SimTensor(inner, torch.device("cuda", index))
+    """Fresh simulated device memory (the caching allocator's): garbage until written, as on
+    a GPU."""
+    inner, block = sim.device_empty(shape, stride, dtype, index)
+    return SimTensor(inner, torch.device("cuda", index), None, block)
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,6 +177,8 @@ def empty_device(sim: SimState, shape: Any, dtype: torch.dtype, index: int,
 def _torch_function(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     handler = _TF.get(func)
     if handler is not None:
+        if current() is None:  # its simulator closed: its memory stays readable on the host
+            return _after_close(func, args, kwargs)
         return handler(*args, **kwargs)
     if func not in _VIA_PROXY:
         try:
@@ -257,7 +266,10 @@ def _data_ptr(self: Any) -> int:
 
 
 def _record_stream(self: torch.Tensor, stream: Any) -> None:
-    return None  # memory lifetime here is Python's: nothing to record
+    """The allocator holds this memory, once freed, until ``stream``'s work so far is done."""
+    block = getattr(self, "_block", None)
+    if block is not None:
+        block.record(stream)
 
 
 def _type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False,
@@ -285,6 +297,8 @@ def _new_tensor(self: torch.Tensor, data: Any, dtype: Any = None, device: Any = 
 
 def _to(self: Any, *args: Any, **kwargs: Any) -> Any:
     """``Tensor.to`` for host tensors going to a simulated device and for device tensors."""
+    if is_device(self) and current() is None:
+        return _after_close(_T.to, (self, *args), kwargs)
     copy = bool(kwargs.pop("copy", False))
     if len(args) >= 4 and isinstance(args[-1], bool) and not isinstance(args[0], torch.Tensor):
         copy = bool(args[-1])  # to(device, dtype, non_blocking, copy)
@@ -373,8 +387,22 @@ _VIA_PROXY = {
 # __torch_dispatch__: what each aten op means on the simulated device
 
 
+def _after_close(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """A device tensor used after its simulator closed (everything queued has run): the op
+    runs on the host, over the memory's final values, and gives host tensors (a result
+    that would be the memory itself is a copy, as ``.cpu()`` of a device tensor is)."""
+    inners = [x._inner for x in pytree.tree_leaves((args, kwargs)) if is_device(x)]
+    a, k = pytree.tree_map(inner_of, (args, kwargs))
+    with torch._C.DisableTorchFunction():
+        out = func(*a, **k)
+        return pytree.tree_map_only(
+            torch.Tensor, lambda t: t.clone() if any(t is i for i in inners) else t, out)
+
+
 def _torch_dispatch(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    sim = _active()
+    sim = current()
+    if sim is None:
+        return _after_close(func, args, kwargs)
     with sim.sched.lock:
         handler = OPS.get(func.overloadpacket)
         if handler is not None:
@@ -463,17 +491,13 @@ def _device_result(sim: SimState, values: torch.Tensor, index: int,
     """A factory's result on simulated device ``index``. Only ``empty`` is free: the values
     of ``zeros``/``arange``/``randn``... are written by a kernel on the current stream
     (captured in a graph, ordered against other streams), so until it runs they are poison."""
+    inner, block = sim.device_empty(values.shape, values.stride(), values.dtype, index)
     if empty:
-        if sim.mode != "eager":
-            poison_(values)
-        return SimTensor(values, torch.device("cuda", index))
-    inner = torch.empty_strided(values.shape, values.stride(), dtype=values.dtype,
-                                device="cpu")
-    if sim.mode != "eager":
-        poison_(inner)
-    sim.sched.enqueue(sim.sched.current_stream(index), Op("fill (factory kernel)",
-                                              lambda _: inner.copy_(values)))
-    return SimTensor(inner, torch.device("cuda", index))
+        return SimTensor(inner, torch.device("cuda", index), None, block)
+    sim.sched.enqueue(sim.sched.current_stream(index), Op(
+        "fill (factory kernel)", lambda _: inner.copy_(values),
+        acc=("fill (factory kernel)", (), (inner,))))
+    return SimTensor(inner, torch.device("cuda", index), None, block)
 
 
 def _pinned_factory(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -619,3 +643,4 @@ def stop_spreading() -> None:
 
 to = _to  # Tensor.to on simulated tensors (the aten handlers use it for .tolist() and such)
 from_proxy = _from_proxy
+record_stream = _record_stream  # Tensor.record_stream on simulated tensors

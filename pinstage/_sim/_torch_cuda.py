@@ -14,10 +14,12 @@ from typing import Any
 import torch
 
 from .._errors import DriverError, HazardError
+from ._alloc import cuda_names
 from ._core import SimState, active, current
 from ._hazards import Registration
 from ._sched import Op, SimEvent, SimStream
 from ._tensor import SimTensor
+from ._tensor import record_stream as _tensor_record_stream
 
 __all__ = ["SimDriver", "SimGraph", "install"]
 
@@ -149,7 +151,9 @@ class SimGraph:
             for op in self.ops:
                 reads = [r.again(op.label) for r in op.reads]
                 sched.enqueue(stream, Op(f"{op.label} (graph replay)", op.fn, reads,
-                                         host_writes=op.host_writes), None)
+                                         host_writes=op.host_writes,
+                                         acc=op.acc and (f"{op.acc[0]} (graph replay)",
+                                                         *op.acc[1:])), None)
 
     def reset(self) -> None:
         self.ops = []
@@ -543,6 +547,7 @@ def install(sim: SimState) -> Callable[[], None]:
         "_sleep": lambda cycles: sched.enqueue(sched.current_stream(), Op(
             f"spin kernel of {cycles} cycles", None)),
     }
+    names.update(cuda_names(sim.allocators, sched.device_index))  # memory: the allocator's
     patches = _Patches(sim)
     patches.install(cuda, names)
     top, c_names = _torch_level_names(sim)
@@ -553,7 +558,7 @@ def install(sim: SimState) -> Callable[[], None]:
 
     def record_stream(self: torch.Tensor, stream: Any) -> None:
         if isinstance(stream, SimStream):
-            return None  # simulated memory lives as long as Python references it
+            return _tensor_record_stream(self, stream)  # (the simulated allocator's)
         return real_record_stream(self, stream)  # type: ignore[no-any-return]
 
     torch.Tensor.record_stream = record_stream  # type: ignore[method-assign,assignment]

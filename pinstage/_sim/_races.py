@@ -1,0 +1,221 @@
+"""Stream races, found when work is queued, whatever order the simulator then runs it in.
+
+The model is CUDA's (and PyTorch's CUDA Sanitizer's): every stream has a vector clock, the
+newest point of each other stream that its next operation is known to run after. Queuing an
+operation advances the stream's own entry (its queue position); recording an event keeps a
+copy of the stream's clock; ``wait_event``/``wait_stream`` join that copy into the waiting
+stream's clock; a host synchronization (``synchronize()``, ``Stream.synchronize``,
+``Event.synchronize``, a ``query()`` that answered ``True``, a blocking copy or ``.item()``)
+joins what the host waited for into the host's clock, which every operation queued later is
+ordered after.
+
+Memory is tracked per storage (the memory a simulated tensor's data lives in), by byte
+ranges: the writes not yet superseded and the reads since. An access that overlaps a
+conflicting one (read after write, write after read, write after write) on another stream,
+and is not ordered after it, raises :class:`HazardError` naming both: what, which stream,
+which tensor, and the user's line that queued each.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from .. import _callsite
+from .._errors import HazardError
+
+__all__ = ["RaceTracker", "Access"]
+
+_PLAIN = torch._C.DisableTorchFunction
+_ATTR = "_pinstage_sim_races"  # on a storage: what its tracker knows of it
+# id(code object) -> (it, whether its frames are the user's): call_site's rule, cached, as
+# every access asks (walking the stack with string tests would be most of the checker's
+# cost; keyed by id, as hashing a code object hashes its bytecode; holding the code keeps its
+# id unique). The same in a forked child: no reset needed.
+_USER_CODE: dict[int, tuple[Any, bool]] = {}
+
+
+def _where() -> tuple[str, int]:
+    """The user's frame that queued the work: (file, line)."""
+    frame: Any = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        known = _USER_CODE.get(id(code))
+        if known is None or known[0] is not code:
+            fn = code.co_filename
+            known = _USER_CODE[id(code)] = (code, not _callsite._skipped(fn) and (
+                not fn.startswith(_callsite._PKG) or fn in _callsite._AS_USER))
+        if known[1]:
+            return code.co_filename, frame.f_lineno
+        frame = frame.f_back
+    return "<unknown>", 0
+
+
+# One read or write by work queued on a stream, as a tuple (made on every access: a tuple is
+# several times cheaper than an object): what, stream, its id, position, the user's
+# (file, line), bytes [lo, hi), shape, dtype, which owner of reused memory made it.
+Access = tuple[Any, ...]
+_WHAT, _STREAM, _SID, _SEQ, _SITE, _LO, _HI, _SHAPE, _DTYPE, _OWNER = range(10)
+
+
+def _describe(a: Access, verb: str) -> str:
+    where = a[_SITE]
+    return (f"{a[_WHAT]} on {_stream_name(a[_STREAM])} {verb} a {a[_DTYPE]} tensor of shape "
+            f"{tuple(a[_SHAPE])} (bytes {a[_LO]:#x}-{a[_HI]:#x}), queued at "
+            f"{where[0]}:{where[1]}")
+
+
+def _stream_name(stream: Any) -> str:
+    sched = stream.sched
+    default = stream is sched.default_stream(stream.device_index)
+    return (f"the default stream of {stream.device}" if default else
+            f"stream {stream.stream_id} of {stream.device}")
+
+
+def _range(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``t`` (not empty) may touch."""
+    lo = t.data_ptr()
+    size = t.element_size()
+    if t.is_contiguous():
+        return lo, lo + t.numel() * size
+    hi = lo
+    for d, st in zip(t.shape, t.stride()):
+        if st >= 0:
+            hi += (d - 1) * st * size
+        else:
+            lo += (d - 1) * st * size
+    return lo, hi + size
+
+
+class RaceTracker:
+    """The vector clocks of one scheduler's streams and the host, and the accesses made."""
+
+    def __init__(self) -> None:
+        self.clocks: dict[int, dict[int, int]] = {}  # stream id -> {other stream id: seq}
+        self.host: dict[int, int] = {}  # what the host has waited for
+        self.enabled = True
+
+    # -- clocks ------------------------------------------------------------------------------
+    def snapshot(self, stream: Any) -> dict[int, int]:
+        """The clock of ``stream`` now, its own position included (an event's record)."""
+        vc = dict(self.clocks.get(stream.stream_id, ()))
+        vc[stream.stream_id] = stream.last
+        return vc
+
+    def join(self, stream: Any, vc: dict[int, int] | None) -> None:
+        """Work queued on ``stream`` from now on runs after the points in ``vc``."""
+        if not vc:
+            return
+        sid = stream.stream_id
+        mine = self.clocks.get(sid)
+        if mine is None:
+            mine = self.clocks[sid] = {}
+        for k, v in vc.items():
+            if k != sid and mine.get(k, 0) < v:
+                mine[k] = v
+
+    def host_join(self, vc: dict[int, int] | None) -> None:
+        """The host waited for the points in ``vc``: all work queued later runs after them."""
+        if not vc:
+            return
+        host = self.host
+        for k, v in vc.items():
+            if host.get(k, 0) < v:
+                host[k] = v
+
+    def host_waited(self, stream: Any, seq: int) -> None:
+        """The host waited until ``stream`` ran up to ``seq``."""
+        if seq >= stream.last:
+            self.host_join(self.snapshot(stream))
+        elif self.host.get(stream.stream_id, 0) < seq:
+            self.host[stream.stream_id] = seq
+
+    def _region(self, t: torch.Tensor) -> list[Any]:
+        """What is known of ``t``'s storage: [this tracker, writes not covered by a later
+        one, reads since, how many times the caching allocator handed it out again]."""
+        storage = t.untyped_storage()
+        held = getattr(storage, _ATTR, None)
+        if held is None or held[0] is not self:
+            held = [self, [], [], 0]
+            setattr(storage, _ATTR, held)
+        return held  # type: ignore[no-any-return]
+
+    def reused(self, t: torch.Tensor) -> None:
+        """The caching allocator hands ``t``'s memory to a new owner (its accesses stay:
+        queued work may still make them)."""
+        self._region(t)[3] += 1
+
+    def access(self, stream: Any, seq: int, what: str, reads: Any = (), writes: Any = (),
+               where: tuple[str, int] | None = None) -> None:
+        """Work ``what`` queued on ``stream`` at position ``seq`` reads ``reads`` and writes
+        ``writes`` (tensors over simulated memory): ``HazardError`` if that races with an
+        access on another stream it is not ordered after; else it is recorded."""
+        if not self.enabled:
+            return
+        with _PLAIN():  # (tensor methods here must not go through the simulator's modes)
+            self._access(stream, seq, what, reads, writes, where)
+
+    def _access(self, stream: Any, seq: int, what: str, reads: Any, writes: Any,
+                where: tuple[str, int] | None) -> None:
+        sid = stream.stream_id
+        mine = self.clocks.get(sid) or {}
+        host = self.host
+        site = where if where is not None else _where()
+        todo: list[tuple[list[Any], Access, bool]] = []
+        for t in writes:
+            if not t.numel():
+                continue
+            lo, hi = _range(t)
+            held = self._region(t)
+            for prevs, verb in ((held[2], "reads"), (held[1], "writes")):  # (CSAN's order)
+                for p in prevs:
+                    if p[_LO] < hi and lo < p[_HI] and p[_SID] != sid and \
+                            mine.get(p[_SID], 0) < p[_SEQ] and host.get(p[_SID], 0) < p[_SEQ]:
+                        raise _error("write", (what, stream, sid, seq, site, lo, hi, t.shape,
+                                               t.dtype, held[3]), p, verb)
+            todo.append((held, (what, stream, sid, seq, site, lo, hi, t.shape, t.dtype,
+                                held[3]), True))
+        wrote = {id(w) for w in writes} if writes else None
+        for t in reads:
+            if not t.numel() or (wrote is not None and id(t) in wrote):
+                continue  # (read and written: the write's checks cover both)
+            lo, hi = _range(t)
+            held = self._region(t)
+            for p in held[1]:
+                if p[_LO] < hi and lo < p[_HI] and p[_SID] != sid and \
+                        mine.get(p[_SID], 0) < p[_SEQ] and host.get(p[_SID], 0) < p[_SEQ]:
+                    raise _error("read", (what, stream, sid, seq, site, lo, hi, t.shape,
+                                          t.dtype, held[3]), p, "writes")
+            todo.append((held, (what, stream, sid, seq, site, lo, hi, t.shape, t.dtype,
+                                held[3]), False))
+        for held, a, write in todo:  # all checked: record them, dropping what they cover
+            lo, hi = a[_LO], a[_HI]
+            if write:
+                if held[1]:
+                    held[1] = [p for p in held[1] if p[_LO] < lo or p[_HI] > hi]
+                if held[2]:
+                    held[2] = [p for p in held[2] if p[_LO] < lo or p[_HI] > hi]
+                held[1].append(a)
+            else:
+                if held[2]:  # (a read covered and ordered before this one adds nothing)
+                    held[2] = [p for p in held[2] if p[_LO] < lo or p[_HI] > hi or (
+                        p[_SID] != sid and mine.get(p[_SID], 0) < p[_SEQ] and
+                        host.get(p[_SID], 0) < p[_SEQ])]
+                held[2].append(a)
+
+
+
+def _error(kind: str, cur: Access, prev: Access, prev_verb: str) -> HazardError:
+    name = f"{kind}-after-{prev_verb[:-1]}"
+    return HazardError(
+        f"stream race ({name}): {_describe(cur, kind + 's')}; it is not ordered after "
+        f"{_describe(prev, prev_verb)}. Nothing orders the two (no wait_stream/wait_event/"
+        "Event.wait between them, no host synchronization after the first), so on a GPU they "
+        "may run in either order or at once." + (
+            " The memory was freed on the host and handed out again by the caching "
+            "allocator on the stream it was allocated on, while work queued on another "
+            "stream may still use it: call tensor.record_stream(that stream) before freeing "
+            "it (or make the allocating stream wait for that stream)."
+            if cur[_OWNER] != prev[_OWNER] else ""))
