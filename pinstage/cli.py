@@ -490,6 +490,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.plot == "-":
         raise UsageError("--plot '-': give a file path (a chart is not written to stdout)")
     for path, flag in ((None if to_stdout else args.json, "--json"), (args.plot, "--plot")):
+        if path == "":
+            raise UsageError(f"{flag} '': give a file path" +
+                             (" (or '-' for stdout)" if flag == "--json" else ""))
         if path:
             _check_output(path, flag)
     if args.plot:
@@ -708,16 +711,20 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``pinstage`` command."""
+    # No abbreviations: a mistyped flag (``audit --stric``) is an error, never taken for
+    # another one.
     p = _Parser(prog="pinstage", description="Host-to-device staging for PyTorch without "
-                "hidden host stalls.")
+                "hidden host stalls.", allow_abbrev=False)
     p.add_argument("--version", action="version", version=f"pinstage {__version__}")
     sub = p.add_subparsers(dest="cmd", metavar="{doctor,bench,audit}")
-    d = sub.add_parser("doctor", help="what this machine can do, why, and advice")
+    d = sub.add_parser("doctor", help="what this machine can do, why, and advice",
+                       allow_abbrev=False)
     d.add_argument("--json", action="store_true", help="print one JSON object")
     d.add_argument("--device", default=None, help="target device (default: the best one)")
     d.add_argument("--no-probe", action="store_true", help="skip the GPU bandwidth probe")
     d.set_defaults(func=cmd_doctor)
-    b = sub.add_parser("bench", help="pinstage vs the straightforward PyTorch way")
+    b = sub.add_parser("bench", help="pinstage vs the straightforward PyTorch way",
+                       allow_abbrev=False)
     b.add_argument("--quick", action="store_true", help="fewer rounds (seconds on a CPU)")
     b.add_argument("--json", metavar="PATH",
                    help="write the results as JSON ('-': to stdout, the table then goes to "
@@ -730,7 +737,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run only this case (repeatable)")
     b.set_defaults(func=cmd_bench)
     a = sub.add_parser("audit", help="run a Python program under the hidden-sync audit",
-                       usage=AUDIT_USAGE)
+                       usage=AUDIT_USAGE, allow_abbrev=False)
     a.add_argument("--strict", action="store_true",
                    help="exit 1 if anything was found (and the program succeeded)")
     a.add_argument("command", nargs=argparse.REMAINDER,

@@ -591,3 +591,21 @@ def test_chart_has_error_bars_and_a_caption(tmp_path):
         plt.Figure.savefig = real_savefig
     assert caption in captured["texts"]
     assert captured["errorbars"] == 3  # both sides' bars and the speedup's
+
+
+def test_a_mistyped_flag_is_an_error_not_an_abbreviation(capsys):
+    """Issue 20 item 12: ``audit --stric`` ran the program as if --strict were given."""
+    from pinstage.cli import main
+
+    for argv in (["audit", "--stric", "--", "python", "-c", "print(1)"], ["bench", "--qui"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2
+        assert f"unrecognized arguments: {argv[1]}" in capsys.readouterr().err
+
+
+def test_bench_json_to_an_empty_path_is_a_usage_error(capsys):
+    from pinstage.cli import main
+
+    assert main(["bench", "--quick", "--json", ""]) == 2
+    assert "--json '': give a file path" in capsys.readouterr().err
