@@ -275,7 +275,13 @@ def orphan_all(memory: Any) -> None:
 
 
 def drain_orphans() -> None:
-    """Finish the orphaned memory whose handles are gone (idempotent steps)."""
+    """Finish the orphaned memory whose handles are gone (idempotent steps, one thread at a
+    time). Never called from a collector."""
+    if _ORPHAN_DEAD or _ORPHANED:
+        with LOCK.lock: _drain_orphans_locked()  # noqa: E701 - (one line: see the module doc)
+
+
+def _drain_orphans_locked() -> None:
     while _ORPHAN_DEAD:
         memory = _ORPHAN_LIVE.pop(_ORPHAN_DEAD[0], None)
         if memory is not None:

@@ -278,7 +278,11 @@ class DeviceState:
         if not (dead or self.parked) or self.capture_underway():
             return  # (nothing to do, or no event may be recorded or queried now)
         while dead:
-            fence = self._drop_fence(parking.live.get(dead[0]))
+            try:
+                first = dead[0]
+            except IndexError:  # (its parking closed meanwhile: the device is gone)
+                break
+            fence = self._drop_fence(parking.live.get(first))
             with LOCK.lock: self._park(fence)  # noqa: E701 - (one line)
         for entry in list(self.parked):
             if entry[1].done():
@@ -295,8 +299,9 @@ class DeviceState:
         memory = live.get(ref)
         if memory is not None:
             self.parked.append((memory, fence))
-            del live[ref]
-        dead.popleft()
+            live.pop(ref, None)  # (a closing parking may have cleared it meanwhile)
+        if dead and dead[0] is ref:
+            dead.popleft()
 
     def _unpark(self, entry: tuple[Any, Fence]) -> None:
         if entry in self.parked:
