@@ -27,6 +27,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "lazy (the default) or random")
     group.addoption("--pinstage-seed", type=int, default=0, metavar="N",
                     help="seed of the simulated CUDA's random mode (default 0)")
+    group.addoption("--pinstage-devices", type=int, default=1, metavar="N",
+                    help="number of simulated CUDA devices (default 1; multi-GPU tests need 2)")
 
 
 @pytest.fixture
@@ -44,13 +46,12 @@ def simulated_cuda(request: pytest.FixtureRequest) -> Iterator[Any]:
     """A simulated CUDA for this test (``--pinstage-simulate``'s mode and seed, else lazy and
     0); yields the simulator. Inside ``--pinstage-simulate`` it yields the one already open."""
     from pinstage import _sim
-    from pinstage.testing import simulated_accelerator
 
     if _sim.current() is not None:
         yield _sim.current()
         return
     mode = request.config.getoption("pinstage_simulate") or "lazy"
-    with simulated_accelerator(mode=mode, seed=request.config.getoption("pinstage_seed")) as s:
+    with _open(request.config, mode) as s:
         yield s
 
 
@@ -82,6 +83,18 @@ def _looks_like_a_path(word: str, config: pytest.Config) -> bool:
             or os.path.exists(os.path.join(str(config.invocation_params.dir), path)))
 
 
+def _open(config: pytest.Config, mode: str) -> Any:
+    """The simulator the options ask for (``--pinstage-seed``, ``--pinstage-devices``)."""
+    from pinstage.testing import simulated_accelerator
+
+    devices = config.getoption("pinstage_devices", default=1)
+    if not isinstance(devices, int) or devices < 1:
+        raise pytest.UsageError(f"--pinstage-devices must be an int >= 1, got {devices!r}")
+    return simulated_accelerator(mode=mode, seed=int(config.getoption("pinstage_seed",
+                                                                      default=0)),
+                                 device_count=devices)
+
+
 def _simulating(config: pytest.Config) -> str | None:
     mode = config.getoption("pinstage_simulate", default=None)
     return mode if isinstance(mode, str) else None
@@ -104,9 +117,8 @@ def pytest_configure(config: pytest.Config) -> None:
             config.args.clear()
         config.args.append(given[0] if given is not None else mode)
     if mode is not None:
-        from pinstage.testing import simulated_accelerator
 
-        cm = simulated_accelerator(mode=mode, seed=config.getoption("pinstage_seed"))
+        cm = _open(config, mode)
         cm.__enter__()
         config._pinstage_collect_sim = cm  # type: ignore[attr-defined]
 
@@ -132,9 +144,8 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None, Any, None]:
     evaluated, so ``torch.cuda.is_available()`` is already true there."""
     mode = _simulating(item.config)
     if mode is not None:
-        from pinstage.testing import simulated_accelerator
 
-        cm = simulated_accelerator(mode=mode, seed=item.config.getoption("pinstage_seed"))
+        cm = _open(item.config, mode)
         cm.__enter__()
         item._pinstage_sim = cm  # type: ignore[attr-defined]
     yield

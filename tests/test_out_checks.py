@@ -45,9 +45,13 @@ def test_a_bad_out_is_refused_before_anything_is_written(target, case):
 
 
 def test_an_out_that_requires_grad_is_refused(target):
+    if target.sim is not None:  # no autograd there: refused up front, never dropped silently
+        with pytest.raises(NotImplementedError, match="autograd"):
+            torch.zeros(3, device=target.device, requires_grad=True)
+        with pytest.raises(NotImplementedError, match="autograd"):
+            torch.zeros(3, device=target.device).requires_grad_()
+        return
     out = torch.zeros(3, dtype=torch.float32, device=target.device, requires_grad=True)
-    if not out.requires_grad:
-        pytest.skip("the simulated CUDA keeps no autograd state")
     pool = pinstage.UvaBufferPool((3,), torch.float32, max_concurrency=2, device=target.device)
     with pytest.raises(ValueError, match="requires grad"):
         pinstage.async_tensor_h2d([1.0, 2.0, 3.0], target.device, out=out)

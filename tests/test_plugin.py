@@ -114,3 +114,18 @@ def test_a_mode_after_the_bare_flag_is_a_mode(tmp_path):
         "from pinstage import _sim\n\ndef test_m():\n    assert _sim.current().mode == 'eager'\n")
     proc = _pytest("--pinstage-simulate", "eager", "test_m.py", cwd=tmp_path)
     assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_pinstage_devices_gives_the_simulated_cuda_that_many_devices(tmp_path):
+    (tmp_path / "test_two.py").write_text(
+        "import torch\n"
+        "def test_two():\n"
+        "    assert torch.cuda.device_count() == 2\n"
+        "    x = torch.ones(2, device='cuda:1')\n"
+        "    assert x.device == torch.device('cuda', 1) and x.cpu().tolist() == [1.0, 1.0]\n")
+    run = _pytest("--pinstage-simulate=eager", "--pinstage-devices", "2", "test_two.py",
+                  cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "1 passed" in run.stdout
+    bad = _pytest("--pinstage-simulate", "--pinstage-devices", "0", "test_two.py", cwd=tmp_path)
+    assert bad.returncode != 0 and "--pinstage-devices must be an int >= 1" in bad.stderr

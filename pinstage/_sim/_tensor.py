@@ -312,10 +312,7 @@ def _to(self: Any, *args: Any, **kwargs: Any) -> Any:
     sim = _active()
     if not is_device(self):
         if device is not None and device.type == "cuda" and self.requires_grad:
-            raise NotImplementedError(
-                "the simulated CUDA does not support autograd: tensors that require grad "
-                "(nn.Module parameters) cannot move to a simulated device; run the model "
-                "under torch.no_grad() on CPU tensors, or test it on a real GPU")
+            raise _no_autograd()
         if device is None or device.type != "cuda":
             with torch._C.DisableTorchFunction():
                 return _T.to(self, *args, copy=copy, **kwargs)  # type: ignore[call-overload]
@@ -365,6 +362,19 @@ def _like_strides(t: torch.Tensor) -> tuple[int, ...] | None:
                  .stride())
 
 
+def _no_autograd() -> NotImplementedError:
+    return NotImplementedError(
+        "the simulated CUDA does not support autograd: tensors that require grad "
+        "(nn.Module parameters, requires_grad=True) cannot live on a simulated device; run "
+        "the model under torch.no_grad() on CPU tensors, or test it on a real GPU")
+
+
+def _requires_grad_(self: torch.Tensor, requires_grad: bool = True) -> torch.Tensor:
+    if requires_grad:
+        raise _no_autograd()  # (never dropped silently)
+    return self
+
+
 _TF: dict[Any, Callable[..., Any]] = {
     _T.item: _item, _T.__bool__: _bool, _T.__int__: _scalar(int),
     _T.__float__: _scalar(float), _T.__index__: _scalar(int), _T.__complex__: _scalar(complex),
@@ -372,6 +382,7 @@ _TF: dict[Any, Callable[..., Any]] = {
     _T.__str__: _repr, _T.__format__: _format, _T.copy_: _copy_, _T.pin_memory: _pin_memory,
     _T.is_pinned: _is_pinned, _T.data_ptr: _data_ptr, _T.record_stream: _record_stream,
     _T.to: _to, _T.cuda: _cuda, _T.cpu: _cpu, _T.type: _type, _T.new_tensor: _new_tensor,
+    _T.requires_grad_: _requires_grad_,
 }
 _VIA_PROXY = {
     _T.__getitem__, _T.__setitem__, _T.contiguous, _T.float, _T.double, _T.half,
@@ -379,7 +390,7 @@ _VIA_PROXY = {
     getattr(_T, "cfloat", _T.float), getattr(_T, "cdouble", _T.double), _T.index_put_,
     _T.index_put, _T.masked_fill_, _T.put_, _T.index_fill_,
     _T.nonzero, _T.new_zeros, _T.new_ones, _T.new_empty, _T.new_full, _T.__len__,
-    _T.element_size, _T.apply_, _T.map_, _T.requires_grad_, _T.set_, _T.view,
+    _T.element_size, _T.apply_, _T.map_, _T.set_, _T.view,
 }
 
 
@@ -461,6 +472,8 @@ def _factory(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any
     kw = dict(kwargs)
     kw["device"] = "cpu"
     kw.pop("pin_memory", None)
+    if kw.pop("requires_grad", False):
+        raise _no_autograd()  # (never dropped silently)
     name = getattr(func, "__name__", "")
     if func in _DATA_FACTORIES:
         data = args[0] if args else kw.pop("data")
