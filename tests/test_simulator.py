@@ -608,3 +608,33 @@ def test_tensor_at_refuses_addresses_it_cannot_vouch_for():
         d = torch.arange(4, dtype=torch.int64, device="cuda")
         torch.cuda.synchronize()
         assert sim.tensor_at(d.data_ptr(), (4,), torch.int64).tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy", "random"])
+def test_events_time_the_queued_work_on_a_simulated_clock(mode):
+    """Issue 17: elapsed_time was 0.0 (PyTorch's own get_cycles_per_ms divides by it). Work
+    takes simulated time on its stream: _sleep(cycles) at 1e6 cycles per ms, each op a little;
+    a stream that waits on an event starts no earlier than that event."""
+    with simulated_accelerator(mode, seed=3):
+        start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        start.record()
+        torch.cuda._sleep(2_000_000)
+        mid.record()
+        torch.cuda._sleep(1_000_000)
+        end.record()
+        end.synchronize()
+        assert start.elapsed_time(mid) == pytest.approx(2.0)
+        assert mid.elapsed_time(end) == pytest.approx(1.0)
+        assert start.elapsed_time(end) > start.elapsed_time(mid) > 0
+        side = torch.cuda.Stream()
+        side.wait_event(end)  # the side stream's work starts after `end`
+        after = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(side):
+            torch.ones(4, device="cuda").add_(1)
+            after.record()
+        after.synchronize()
+        assert start.elapsed_time(after) > start.elapsed_time(end)
+        with pytest.raises(ValueError, match="recorded"):
+            torch.cuda.Event(enable_timing=True).elapsed_time(end)
+        assert torch.cuda.default_stream().cuda_stream == 0  # as CUDA's default stream
+        assert side.cuda_stream != 0

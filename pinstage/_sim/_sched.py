@@ -58,16 +58,24 @@ class SimStats:
         return dict(self.__dict__)
 
 
+# The simulated device's clock: every op takes OP_MS of simulated time on its stream, and
+# torch.cuda._sleep(cycles) takes cycles / CYCLES_PER_MS, so events' elapsed times are positive
+# and ordered as the queued work is (host time plays no part).
+OP_MS = 1e-3
+CYCLES_PER_MS = 1_000_000  # a 1 GHz clock
+
+
 class Op:
     """One queued device operation."""
 
-    __slots__ = ("acc", "deps", "fn", "host_writes", "label", "reads", "seq", "stream")
+    __slots__ = ("acc", "deps", "fn", "host_writes", "label", "ms", "reads", "seq", "stream")
 
     def __init__(self, label: str, fn: Callable[[list[torch.Tensor]], Any] | None,
                  reads: list[HostRead] | None = None,
                  deps: list[tuple[SimStream, int]] | None = None,
                  host_writes: list[tuple[int, int]] | None = None,
-                 acc: tuple[str, Any, Any] | None = None) -> None:
+                 acc: tuple[str, Any, Any] | None = None, ms: float = OP_MS) -> None:
+        self.ms = ms  # simulated time it takes on the device (events' elapsed_time)
         # acc: (what, tensors read, tensors written) in simulated memory, for the race check
         self.acc = acc
         self.label = label
@@ -93,12 +101,14 @@ class SimStream:
         self.done = 0  # seq of the last op run
         self.last = 0  # seq of the last op queued
         self.capture: Any = None  # the CUDAGraph capturing this stream, if any
+        self.t = 0.0  # simulated time (ms) at which the work queued so far ends
 
     # -- torch.cuda.Stream API -----------------------------------------------------------------
     def wait_event(self, event: SimEvent) -> None:
         """Work queued on this stream from now on waits for ``event``'s point."""
         if event.stream is None:
             return
+        self.t = max(self.t, event.t)
         self.sched.races.join(self, event.clock)
         self.sched.enqueue(self, Op(f"wait for an event of stream {event.stream.stream_id}",
                                     None, deps=[(event.stream, event.seq)]), None)
@@ -157,6 +167,7 @@ class SimEvent:
         self.clock: dict[int, int] | None = None  # the stream's vector clock when recorded
         self.enable_timing = enable_timing
         self.blocking = blocking
+        self.t = 0.0  # simulated time of its point
 
     def record(self, stream: SimStream | None = None) -> None:
         """Mark the point after all work queued on ``stream`` (default: current) so far."""
@@ -171,6 +182,7 @@ class SimEvent:
             sched.stats.events += 1
             self.stream = stream
             self.seq = stream.last
+            self.t = stream.t
             self.captured = stream.capture is not None
             self.clock = sched.races.snapshot(stream)
 
@@ -206,11 +218,13 @@ class SimEvent:
         if not (self.enable_timing and end_event.enable_timing):
             raise ValueError("Both events must be created with argument 'enable_timing=True'")
         if self.stream is None or end_event.stream is None:
-            raise RuntimeError("CUDA error: device not ready (elapsed_time of an event that "
-                               "was not recorded; simulated)")
+            raise ValueError("Both events must be recorded before calculating elapsed time.")
+        if self.stream.device_index != end_event.stream.device_index:
+            raise RuntimeError("Both events must be recorded on the same device to calculate "
+                               "elapsed time (simulated)")
         self.synchronize()
         end_event.synchronize()
-        return 0.0
+        return end_event.t - self.t
 
     def __repr__(self) -> str:
         where = "unrecorded" if self.stream is None else \
@@ -246,6 +260,8 @@ class Scheduler:
         self._ids = itertools.count(1)
         self._streams: list[SimStream] = []
         self._defaults = [SimStream(self, i) for i in range(device_count)]
+        for default in self._defaults:
+            default.cuda_stream = 0  # as CUDA's legacy default stream
         self._captures: dict[int, tuple[int, str]] = {}  # id(graph) -> (thread, mode)
         self._invalidated: dict[int, str] = {}  # id(graph) -> what invalidated its capture
         self._polls: dict[tuple[int, int], int] = {}
@@ -419,6 +435,7 @@ class Scheduler:
                 self.run_until(stream, stream.queue[0].seq)
             stream.last += 1
             op.stream, op.seq = stream, stream.last
+            stream.t += op.ms
             stream.queue.append(op)
             if self.mode == "eager":
                 self.run_until(stream, op.seq)

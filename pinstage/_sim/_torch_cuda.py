@@ -17,7 +17,7 @@ from .._errors import DriverError, HazardError
 from ._alloc import cuda_names
 from ._core import SimState, active, current
 from ._hazards import Registration
-from ._sched import Op, SimEvent, SimStream
+from ._sched import CYCLES_PER_MS, Op, SimEvent, SimStream
 from ._tensor import SimTensor
 from ._tensor import record_stream as _tensor_record_stream
 
@@ -545,7 +545,7 @@ def install(sim: SimState) -> Callable[[], None]:
         "mem_get_info": lambda device=None: (70 * 2**30, 80 * 2**30),
         "is_bf16_supported": lambda *a, **k: True,
         "_sleep": lambda cycles: sched.enqueue(sched.current_stream(), Op(
-            f"spin kernel of {cycles} cycles", None)),
+            f"spin kernel of {cycles} cycles", None, ms=int(cycles) / CYCLES_PER_MS)),
     }
     names.update(cuda_names(sim.allocators, sched.device_index))  # memory: the allocator's
     patches = _Patches(sim)
