@@ -638,3 +638,16 @@ def test_events_time_the_queued_work_on_a_simulated_clock(mode):
             torch.cuda.Event(enable_timing=True).elapsed_time(end)
         assert torch.cuda.default_stream().cuda_stream == 0  # as CUDA's default stream
         assert side.cuda_stream != 0
+
+
+def test_tensor_new_stays_on_the_simulated_device():
+    """Issue 17: ``Tensor.new`` on a cuda tensor returned a CPU tensor."""
+    with simulated_accelerator("lazy"):
+        x = torch.ones(2, device="cuda", dtype=torch.float64)
+        sized, data, size_obj, empty = x.new(3), x.new([1, 2, 3]), x.new(torch.Size([2, 2])), \
+            x.new()
+        for t in (sized, data, size_obj, empty):
+            assert t.device == x.device and t.dtype == torch.float64
+        assert (sized.shape, size_obj.shape, empty.shape) == ((3,), (2, 2), (0,))
+        assert data.tolist() == [1.0, 2.0, 3.0]
+        assert x.new(x) is x

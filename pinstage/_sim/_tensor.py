@@ -295,6 +295,26 @@ def _new_tensor(self: torch.Tensor, data: Any, dtype: Any = None, device: Any = 
     return torch.tensor(data, dtype=dtype, device=device)
 
 
+def _new(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The legacy ``Tensor.new``: sizes give uninitialized memory, a tensor is returned as
+    it is, other data is copied; on ``self``'s device and dtype (it returned a CPU tensor)."""
+    if not is_device(self):
+        with torch._C.DisableTorchFunction():
+            return _T.new(self, *args, **kwargs)  # type: ignore[no-any-return]
+    dtype = kwargs.pop("dtype", None) or self.dtype
+    device = kwargs.pop("device", None) or self.device
+    if kwargs:
+        raise TypeError(f"new() got unexpected keyword arguments {sorted(kwargs)}")
+    sizes: Any = args[0] if len(args) == 1 and isinstance(args[0], torch.Size) else \
+        (args or (0,))  # (no arguments: an empty tensor)
+    if all(isinstance(n, int) and not isinstance(n, bool) for n in sizes):
+        return _factory(_active(), torch.empty, (tuple(sizes),),
+                        {"dtype": dtype, "device": device})
+    if len(args) == 1 and isinstance(args[0], torch.Tensor):
+        return args[0]
+    return _new_tensor(self, args[0] if len(args) == 1 else list(args), dtype, device)
+
+
 def _to(self: Any, *args: Any, **kwargs: Any) -> Any:
     """``Tensor.to`` for host tensors going to a simulated device and for device tensors."""
     if is_device(self) and current() is None:
@@ -382,7 +402,7 @@ _TF: dict[Any, Callable[..., Any]] = {
     _T.__str__: _repr, _T.__format__: _format, _T.copy_: _copy_, _T.pin_memory: _pin_memory,
     _T.is_pinned: _is_pinned, _T.data_ptr: _data_ptr, _T.record_stream: _record_stream,
     _T.to: _to, _T.cuda: _cuda, _T.cpu: _cpu, _T.type: _type, _T.new_tensor: _new_tensor,
-    _T.requires_grad_: _requires_grad_,
+    _T.requires_grad_: _requires_grad_, _T.new: _new,
 }
 _VIA_PROXY = {
     _T.__getitem__, _T.__setitem__, _T.contiguous, _T.float, _T.double, _T.half,
