@@ -231,7 +231,9 @@ def test_np_to_pinned_tensor_pins_nothing_in_steady_state(mode, quiet_gc):
     with simulated_accelerator(mode, seed=11) as sim:
         pending = []
         pins = None
-        pins0 = pinstage.host_memory_stats()["pins"]
+        pinstage.capabilities(sim.device)  # (the probe's own page is pinned first)
+        pins0 = pinstage.host_memory_stats(sim.device)["pins"]  # this device's: not another
+        # test's threads or devices
         for i in range(300):
             a = np.arange(1000, dtype=np.int64) + i
             t = pinstage.np_to_pinned_tensor(a)
@@ -244,13 +246,13 @@ def test_np_to_pinned_tensor_pins_nothing_in_steady_state(mode, quiet_gc):
                     np.testing.assert_array_equal(out.cpu().numpy(), expected)
                 pending.clear()
             if i == 99:  # warm-up: the pool holds what the deepest queue needs
-                pins = pinstage.host_memory_stats()["pins"]
+                pins = pinstage.host_memory_stats(sim.device)["pins"]
         if mode == "random":
             # Seeded random progress can make a deeper queue late: the pool grows to cover
             # it, never past one slab per call between synchronizations.
-            assert pinstage.host_memory_stats()["pins"] <= pins0 + 11
+            assert pinstage.host_memory_stats(sim.device)["pins"] <= pins0 + 11
         else:
-            assert pinstage.host_memory_stats()["pins"] == pins
+            assert pinstage.host_memory_stats(sim.device)["pins"] == pins
 
 
 def test_np_to_pinned_tensor_memory_is_reused_only_after_the_device_read_it():
