@@ -175,15 +175,20 @@ class AsyncDevice(Backend):
     def event_done(self, event: Any) -> bool:
         s = self.streams[event[0]]
         with s.lock:
-            return s.done >= event[1]
+            return s.done >= event[1] or s.closed  # (closed: nothing more will run)
 
     def wait_event_host(self, event: Any) -> None:
         self.streams[event[0]].wait(event[1])
 
     # -- for tests ---------------------------------------------------------------------------
     def close(self) -> None:
+        """Stop the workers; the device does no more work, so its state is retired (as a
+        simulator's is): later fences elsewhere never wait on this device's events."""
         for s in self.streams:
             s.close()
+        from pinstage import _state
+
+        _state.retire(self)
 
     def errors(self) -> list[BaseException]:
         return [s.error for s in self.streams if s.error is not None]
