@@ -37,6 +37,7 @@ def _loop(device: torch.device, steps: int, sync) -> list[dict[str, float]]:
         n = int(rng.integers(1, 64))
         pinstage.async_tensor_h2d(list(range(n)), device)
         pinstage.h2d_many([np.arange(n), [step % 7, 1]], device)
+        sync()  # (the previous step's copy_to_gpu reads buf: wait before rewriting it)
         buf.np[:n] = step
         buf.copy_to_gpu(n)
         pool.copy_to_uva(np.arange(n, dtype=np.int32))
