@@ -79,7 +79,35 @@ KEYS = itertools.count(1)  # ledger keys: next() is one C-level step
 LEASE = 1  # the kind of a ledger entry that is a pool lease (``PinnedPool.leased``)
 
 
-class Counters:
+class _Readout:
+    """The counters' read side, shared by a device's ledger and the process totals."""
+
+    __slots__ = ()
+    waits: int
+    pins: int
+
+    def snapshot(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    def _report(self, reserved: int, in_use: int, requested: int, peak: int) -> dict[str, int]:
+        return {"reserved_bytes": reserved, "in_use_bytes": in_use,
+                "peak_in_use_bytes": max(peak, in_use), "requested_bytes": requested,
+                "waits": self.waits, "pins": self.pins}
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.snapshot()["reserved_bytes"]
+
+    @property
+    def in_use_bytes(self) -> int:
+        return self.snapshot()["in_use_bytes"]
+
+    @property
+    def requested_bytes(self) -> int:
+        return self.snapshot()["requested_bytes"]
+
+
+class Counters(_Readout):
     """Pinned host memory of one device (``host_memory_stats(device)``), as a ledger of live
     items: a region, a lease or an allocation, by its key, with the bytes it reserves, hands
     out and was asked for. Counting an item is one dict store and uncounting it one dict pop,
@@ -135,22 +163,7 @@ class Counters:
         return reserved, in_use, requested
 
     def snapshot(self) -> dict[str, int]:
-        reserved, in_use, requested = self.sums()
-        return {"reserved_bytes": reserved, "in_use_bytes": in_use,
-                "peak_in_use_bytes": max(self.peak_in_use_bytes, in_use),
-                "requested_bytes": requested, "waits": self.waits, "pins": self.pins}
-
-    @property
-    def reserved_bytes(self) -> int:
-        return self.snapshot()["reserved_bytes"]
-
-    @property
-    def in_use_bytes(self) -> int:
-        return self.snapshot()["in_use_bytes"]
-
-    @property
-    def requested_bytes(self) -> int:
-        return self.snapshot()["requested_bytes"]
+        return self._report(*self.sums(), self.peak_in_use_bytes)
 
 
 _ACCOUNTS: weakref.WeakSet[Counters] = weakref.WeakSet()  # every device's ledger
@@ -158,7 +171,7 @@ _TOTAL_SUM = [0]  # running in-use bytes of the whole process, for its peak
 _TOTAL_PEAK = [0]
 
 
-class _Totals:
+class _Totals(_Readout):
     """The whole process (``host_memory_stats()``): the sum of every device's ledger and of
     :data:`NO_DEVICE`, read when asked; waits and pins are counted here too."""
 
@@ -178,21 +191,7 @@ class _Totals:
             r, u, q = account.sums()
             reserved, in_use, requested = reserved + r, in_use + u, requested + q
         _TOTAL_SUM[0] = in_use
-        return {"reserved_bytes": reserved, "in_use_bytes": in_use,
-                "peak_in_use_bytes": max(_TOTAL_PEAK[0], in_use),
-                "requested_bytes": requested, "waits": self.waits, "pins": self.pins}
-
-    @property
-    def reserved_bytes(self) -> int:
-        return self.snapshot()["reserved_bytes"]
-
-    @property
-    def in_use_bytes(self) -> int:
-        return self.snapshot()["in_use_bytes"]
-
-    @property
-    def requested_bytes(self) -> int:
-        return self.snapshot()["requested_bytes"]
+        return self._report(reserved, in_use, requested, _TOTAL_PEAK[0])
 
 
 TOTALS = _Totals()
