@@ -41,6 +41,9 @@ Handler = Callable[[SimState, Any, Any, "dict[str, Any]"], Any]
 # aten overload packet -> handler(sim, func, args, kwargs); filled by ``_ops``
 OPS: dict[Any, Handler] = {}
 _DEFAULTS: dict[str, Handler] = {}
+# factory function -> handler(sim, func, args, kwargs, device index) for ``device="cuda"``
+# factories that need their own kernel (the random ones: ``_rng``)
+FACTORIES: dict[Any, Callable[..., Any]] = {}
 
 
 def register_op(*packets: Any) -> Callable[[Handler], Handler]:
@@ -494,6 +497,9 @@ def _factory(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any
     kw.pop("pin_memory", None)
     if kw.pop("requires_grad", False):
         raise _no_autograd()  # (never dropped silently)
+    special = FACTORIES.get(func)
+    if special is not None:
+        return special(sim, func, args, kw, index)
     name = getattr(func, "__name__", "")
     if func in _DATA_FACTORIES:
         data = args[0] if args else kw.pop("data")

@@ -17,6 +17,11 @@ from .._errors import DriverError, HazardError
 from ._alloc import cuda_names
 from ._core import SimState, active, current
 from ._hazards import Registration
+from ._rng import Generator as _SimTorchGenerator
+from ._rng import cuda_names as _rng_cuda_names
+from ._rng import forget as _rng_forget
+from ._rng import install as _rng_install
+from ._rng import replay_bases, replay_fn
 from ._sched import CYCLES_PER_MS, Op, SimEvent, SimStream
 from ._tensor import SimTensor
 from ._tensor import record_stream as _tensor_record_stream
@@ -134,6 +139,7 @@ class SimGraph:
                                "(However, after capture, it's ok to replay them on the "
                                "default stream.)")
         self.ops = []
+        _rng_forget(self)
         self._captured = True
         self._stream = stream
         sched.begin_capture(stream, self, capture_error_mode)
@@ -148,15 +154,18 @@ class SimGraph:
         sched = self._sim.sched
         stream = sched.current_stream()
         with sched.lock:
+            bases = replay_bases(self)  # this replay's random offsets
             for op in self.ops:
                 reads = [r.again(op.label) for r in op.reads]
-                sched.enqueue(stream, Op(f"{op.label} (graph replay)", op.fn, reads,
+                fn = replay_fn(self, op, bases)
+                sched.enqueue(stream, Op(f"{op.label} (graph replay)", fn, reads,
                                          host_writes=op.host_writes,
                                          acc=op.acc and (f"{op.acc[0]} (graph replay)",
                                                          *op.acc[1:])), None)
 
     def reset(self) -> None:
         self.ops = []
+        _rng_forget(self)
         self._captured = False
 
     def pool(self) -> tuple[int, int]:
@@ -538,8 +547,6 @@ def install(sim: SimState) -> Callable[[], None]:
         "get_sync_debug_mode": lambda: sched.sync_debug_mode,
         "empty_cache": lambda: None,
         "ipc_collect": lambda: None,
-        "manual_seed": lambda seed: None,
-        "manual_seed_all": lambda seed: None,
         "memory_allocated": lambda device=None: 0,
         "max_memory_allocated": lambda device=None: 0,
         "mem_get_info": lambda device=None: (70 * 2**30, 80 * 2**30),
@@ -548,9 +555,14 @@ def install(sim: SimState) -> Callable[[], None]:
             f"spin kernel of {cycles} cycles", None, ms=int(cycles) / CYCLES_PER_MS)),
     }
     names.update(cuda_names(sim.allocators, sched.device_index))  # memory: the allocator's
+    rng_names = _rng_cuda_names(sim)  # seeds and states of the devices' generators
+    names.update(rng_names)
     patches = _Patches(sim)
     patches.install(cuda, names)
+    patches.install(torch.cuda.random, rng_names)
     top, c_names = _torch_level_names(sim)
+    top["Generator"] = _SimTorchGenerator
+    restore_generators = _rng_install(sim)
     patches.install(torch, top)
     patches.install(torch._C, c_names)
     # Tensor.record_stream parses its argument as a C++ stream before any Python override.
@@ -564,6 +576,7 @@ def install(sim: SimState) -> Callable[[], None]:
     torch.Tensor.record_stream = record_stream  # type: ignore[method-assign,assignment]
 
     def restore() -> None:
+        restore_generators()
         if torch.Tensor.record_stream is record_stream:
             torch.Tensor.record_stream = real_record_stream  # type: ignore[method-assign]
         patches.restore()
