@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import bisect
 import collections
+import contextlib
+import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["Allocator", "Handle", "cuda_names", "ROUND"]
+__all__ = ["Allocator", "Handle", "cuda_names", "new_pool_id", "pool_id_of", "ROUND"]
 
 ROUND = 512  # block sizes are multiples of this, as in PyTorch's allocator
 TOTAL = 80 * 2**30  # the device memory reported when no limit is set
@@ -32,13 +35,14 @@ CACHE_KEEP = 256 * 2**20
 
 
 class _Block:
-    __slots__ = ("buf", "graph", "pending", "size", "stream", "views")
+    __slots__ = ("buf", "pending", "pool", "size", "stream", "views")
 
-    def __init__(self, buf: torch.Tensor, size: int, stream: Any) -> None:
+    def __init__(self, buf: torch.Tensor, size: int, stream: Any, pool: Any = None) -> None:
         self.buf, self.size, self.stream = buf, size, stream
-        # allocated while a graph was captured: the graph's replays write it, so it is never
-        # handed out again (a graph's private pool; its captured work keeps the bytes)
-        self.graph = stream.capture is not None
+        # the private pool it belongs to (allocated while a graph was captured, or under
+        # use_mem_pool): freed, it goes back there, for allocations into that pool only (a
+        # graph's replays still write it), and to the device once the pool's users are gone
+        self.pool = pool
         self.pending: list[tuple[Any, int, dict[int, int]]] = []  # (stream, seq, clock)
         self.views: dict[torch.dtype, torch.Tensor] = {}  # the whole block, per dtype
 
@@ -83,18 +87,24 @@ class Allocator:
         self.peak_allocated = self.peak_reserved = 0
         self.counts = {"allocation": 0, "free": 0, "num_alloc_retries": 0, "num_ooms": 0,
                        "segment": 0, "segment_free": 0}
+        # private pools (graphs', MemPools'): id -> free blocks by size, id -> users (graphs
+        # captured into it, live MemPool objects, open use_mem_pool blocks)
+        self.private: dict[Any, list[_Block]] = {}
+        self.users: dict[Any, int] = {}
+        self.unused: collections.deque[Any] = collections.deque()  # users gone (from __del__)
+        self.routes: dict[int, list[Any]] = {}  # thread id -> use_mem_pool ids, innermost last
 
     # -- freeing -----------------------------------------------------------------------------
     def _collect(self) -> None:
         """Take in what was freed since, and what its recorded streams have finished."""
+        while self.unused:
+            self.release_pool(self.unused.popleft())
         freed = self.freed
         while freed:
             block = freed.popleft()
             self.allocated -= block.size
             self.counts["free"] += 1
-            if block.graph:
-                self.reserved -= block.size
-            elif block.pending:
+            if block.pending:
                 self.waiting.append(block)
             else:
                 self._pool(block)
@@ -111,6 +121,14 @@ class Allocator:
             self.waiting = still
 
     def _pool(self, block: _Block) -> None:
+        if block.pool is not None:
+            private = self.private.get(block.pool) if self.users.get(block.pool) else None
+            if private is None:  # its pool has no users left: back to the device
+                self.reserved -= block.size
+                self.counts["segment_free"] += 1
+            else:
+                bisect.insort(private, block, key=_size)
+            return
         pool = self.pools.setdefault(block.stream.stream_id, [])
         bisect.insort(pool, block, key=_size)
         cached = self.reserved - self.allocated - sum(b.size for b in self.waiting)
@@ -121,8 +139,55 @@ class Allocator:
             cached -= gone.size
             self.counts["segment_free"] += 1
 
+    # -- private pools ---------------------------------------------------------------------
+    def use_pool(self, pool: Any) -> None:
+        """One more user of private pool ``pool`` (a graph capturing into it, a MemPool)."""
+        self.users[pool] = self.users.get(pool, 0) + 1
+        self.private.setdefault(pool, [])
+
+    def release_pool(self, pool: Any) -> None:
+        """One user fewer: the last one gone, the pool's free blocks go back to the device
+        (blocks still in use follow when they are freed)."""
+        n = self.users.get(pool, 0) - 1
+        if n > 0:
+            self.users[pool] = n
+            return
+        self.users.pop(pool, None)
+        for block in self.private.pop(pool, []):
+            self.reserved -= block.size
+            self.counts["segment_free"] += 1
+
+    def route(self, pool: Any | None) -> None:
+        """``use_mem_pool``: this thread's allocations go to ``pool`` (``None``: the
+        innermost route ends)."""
+        import threading
+
+        me = threading.get_ident()
+        if pool is not None:
+            self.routes.setdefault(me, []).append(pool)
+            return
+        stack = self.routes.get(me)
+        if stack:
+            stack.pop()
+            if not stack:
+                del self.routes[me]
+
+    def _private_of(self, stream: Any) -> Any:
+        """The private pool an allocation on ``stream`` goes to now, if any."""
+        graph = stream.capture
+        if graph is not None:
+            return getattr(graph, "_pool_id", None) or (0, id(graph))
+        if self.routes:
+            import threading
+
+            stack = self.routes.get(threading.get_ident())
+            if stack:
+                return stack[-1]
+        return None
+
     def empty_cache(self) -> None:
-        """``torch.cuda.empty_cache()``: give back every free cached block."""
+        """``torch.cuda.empty_cache()``: give back every free cached block (a private
+        pool's are kept while it has users, as PyTorch does)."""
         self._collect()
         for pool in self.pools.values():
             for block in pool:
@@ -154,7 +219,16 @@ class Allocator:
 
     def _take(self, size: int, stream: Any) -> tuple[_Block, bool]:
         self._collect()
-        pool = self.pools.get(stream.stream_id) if stream.capture is None else None
+        private = self._private_of(stream) if stream.capture is not None or self.routes \
+            else None
+        if private is not None:
+            pool = self.private.get(private)
+            if pool is None:  # (an allocation into a pool nothing holds: a user for it)
+                self.use_pool(private)
+                pool = self.private[private]
+                self.unused.append(private)  # (released once this block is back)
+        else:
+            pool = self.pools.get(stream.stream_id)
         if pool:
             for i, block in enumerate(pool):
                 if size <= block.size <= 2 * size:
@@ -173,7 +247,8 @@ class Allocator:
                     f"free. Of the allocated memory {_mib(self.allocated)} is allocated by "
                     f"PyTorch, and {_mib(self.reserved - self.allocated)} is reserved by "
                     "PyTorch but unallocated. (simulated: simulated_accelerator(memory=...))")
-        block = _Block(torch.empty(size, dtype=torch.uint8, device="cpu"), size, stream)
+        block = _Block(torch.empty(size, dtype=torch.uint8, device="cpu"), size, stream,
+                       private)
         self.reserved += size
         self.counts["segment"] += 1
         self.peak_reserved = max(self.peak_reserved, self.reserved)
@@ -213,6 +288,24 @@ class Allocator:
         return total - self.reserved, total
 
 
+_uids = itertools.count(1)
+
+
+def new_pool_id() -> tuple[int, int]:
+    """A fresh private-pool id, as ``graph_pool_handle()`` gives (an opaque pair of ints)."""
+    return (0, next(_uids))
+
+
+def pool_id_of(pool: Any) -> tuple[int, int]:
+    """A pool argument (``graph_pool_handle()``, ``g.pool()``, a MemPool or its ``id``) as an
+    id; ``TypeError`` naming anything else."""
+    pool = getattr(pool, "id", pool)
+    if isinstance(pool, tuple) and len(pool) == 2 and all(isinstance(x, int) for x in pool):
+        return pool
+    raise TypeError(f"a memory pool must be a MemPool, graph_pool_handle() or "
+                    f"CUDAGraph.pool(), got {pool!r}")
+
+
 def _size(block: _Block) -> int:
     return block.size
 
@@ -234,7 +327,60 @@ def cuda_names(allocators: list[Allocator], index_of: Any) -> dict[str, Any]:
     def reset(device: Any = None) -> None:
         of(device).reset_peak()
 
+    class MemPool:
+        """``torch.cuda.MemPool`` while simulated: a private pool of device memory; inside
+        ``use_mem_pool(pool)`` this thread's allocations come from it (memory freed there
+        goes back to it, for its own allocations only), and graphs may capture into it
+        (``torch.cuda.graph(g, pool=pool.id)``). Custom allocators are not simulated."""
+
+        def __init__(self, allocator: Any = None, use_on_oom: bool = False,
+                     no_split: bool = False) -> None:
+            if allocator is not None:
+                raise NotImplementedError("the simulated CUDA has no pluggable allocators: "
+                                          "MemPool(allocator=...) is not supported")
+            self._id = (next(_uids), 0)
+            self._allocators = list(allocators)
+            for a in self._allocators:
+                a.use_pool(self._id)
+
+        @property
+        def id(self) -> tuple[int, int]:
+            return self._id
+
+        @property
+        def allocator(self) -> None:
+            return None
+
+        def use_count(self) -> int:
+            return of(None).users.get(self._id, 0)
+
+        def snapshot(self, include_traces: bool = True) -> list[Any]:
+            return []
+
+        def __del__(self) -> None:
+            try:  # (may run anywhere, as the collector frees it: only a deque append)
+                for a in self._allocators:
+                    a.unused.append(self._id)
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
+
+    @contextlib.contextmanager
+    def use_mem_pool(pool: Any, device: Any = None) -> Iterator[None]:
+        if not isinstance(pool, MemPool):
+            raise TypeError(f"use_mem_pool() expects a torch.cuda.MemPool, got {pool!r}")
+        a = of(device)
+        a.use_pool(pool.id)
+        a.route(pool.id)
+        try:
+            yield
+        finally:
+            a.route(None)
+            a.release_pool(pool.id)
+
     return {
+        "MemPool": MemPool,
+        "use_mem_pool": use_mem_pool,
+        "graph_pool_handle": new_pool_id,
         "memory_allocated": lambda device=None: of(device).stats()["allocated_bytes.all.current"],
         "max_memory_allocated": lambda device=None: of(device).stats()[
             "allocated_bytes.all.peak"],

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .._errors import DriverError, HazardError
-from ._alloc import cuda_names
+from ._alloc import cuda_names, new_pool_id, pool_id_of
 from ._core import SimState, active, current
 from ._hazards import Registration
 from ._rng import Generator as _SimTorchGenerator
@@ -138,11 +138,28 @@ class SimGraph:
             raise RuntimeError("CUDA graphs must be captured on a non-default stream. "
                                "(However, after capture, it's ok to replay them on the "
                                "default stream.)")
+        pool_id = pool_id_of(pool) if pool is not None else new_pool_id()
+        sched.begin_capture(stream, self, capture_error_mode)
+        self._release_pool()
         self.ops = []
         _rng_forget(self)
         self._captured = True
         self._stream = stream
-        sched.begin_capture(stream, self, capture_error_mode)
+        # the graph's memory: a private pool, shared with the graphs given the same id
+        self._pool_id = pool_id
+        self._pool_owner = self._sim.allocators[stream.device_index]
+        self._pool_owner.use_pool(pool_id)
+
+    def _release_pool(self) -> None:
+        owner = self.__dict__.pop("_pool_owner", None)
+        if owner is not None:
+            owner.unused.append(self._pool_id)  # (taken in at the next allocation)
+
+    def __del__(self) -> None:
+        try:
+            self._release_pool()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
     def capture_end(self) -> None:
         if self._stream is not None:
@@ -166,10 +183,15 @@ class SimGraph:
     def reset(self) -> None:
         self.ops = []
         _rng_forget(self)
+        self._release_pool()
         self._captured = False
 
     def pool(self) -> tuple[int, int]:
-        return (0, id(self))
+        """The id of this graph's memory pool, for another capture to share it."""
+        pool_id = self.__dict__.get("_pool_id")
+        if pool_id is None:
+            raise RuntimeError("Called CUDAGraph.pool() without a preceding capture_begin()")
+        return pool_id  # type: ignore[no-any-return]
 
     def enable_debug_mode(self) -> None:
         return None
@@ -560,6 +582,8 @@ def install(sim: SimState) -> Callable[[], None]:
     patches = _Patches(sim)
     patches.install(cuda, names)
     patches.install(torch.cuda.random, rng_names)
+    patches.install(torch.cuda.memory, {k: names[k] for k in ("MemPool", "use_mem_pool")})
+    patches.install(torch.cuda.graphs, {"graph_pool_handle": names["graph_pool_handle"]})
     top, c_names = _torch_level_names(sim)
     top["Generator"] = _SimTorchGenerator
     restore_generators = _rng_install(sim)

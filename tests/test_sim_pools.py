@@ -1,0 +1,132 @@
+"""Private memory pools on the simulated CUDA (issue 17 items 2 and 4): ``graph_pool_handle()``,
+``CUDAGraph.pool()``, graphs that share a pool reusing each other's freed memory as PyTorch's
+caching allocator does, ``torch.cuda.MemPool`` and ``use_mem_pool``."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from pinstage.testing import simulated_accelerator
+
+pytestmark = pytest.mark.timeout(120)
+SHARING = ["no sharing", "via pool()", "via graph_pool_handle()", "via MemPool"]
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+@pytest.mark.parametrize("share", SHARING)
+def test_graphs_sharing_a_pool_reuse_its_freed_memory(mode, share):
+    """PyTorch's test_graph_three_successive: ``c`` is freed while ``g1`` is captured, so a
+    later capture into the same pool (``g2``'s ``f``) gets its memory. Replayed in capture
+    order all is well; replayed as g0, g2, g1, ``g1`` reads ``f``'s values where ``c`` was
+    (e = f + 3 = 10), which only a shared pool does."""
+    size = 1000
+    with simulated_accelerator(mode):
+        a = torch.ones(size, device="cuda")
+        g0, g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        mempool = torch.cuda.MemPool()
+        first = {"via graph_pool_handle()": (torch.cuda.graph_pool_handle(),),
+                 "via MemPool": (mempool.id,)}.get(share, ())
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            g0.capture_begin(*first)
+            b = a.clone()
+            c = b + 1
+            d = b + 2
+            g0.capture_end()
+            later = (g0.pool(),) if share == "via pool()" else first
+            g1.capture_begin(*later)
+            e = c + 3
+            del c
+            g1.capture_end()
+            g2.capture_begin(*later)
+            f = d + 4
+            g2.capture_end()
+        torch.cuda.current_stream().wait_stream(s)
+        g0.replay()
+        g1.replay()
+        g2.replay()
+        assert e.sum().item() == size * 5 and f.sum().item() == size * 7
+        g0.replay()
+        g2.replay()
+        g1.replay()
+        assert f.sum().item() == size * 7
+        assert e.sum().item() == (size * 5 if share == "no sharing" else size * 10)
+        if share != "no sharing":
+            assert g1.pool() == g2.pool() == g0.pool()
+        else:
+            assert len({g0.pool(), g1.pool(), g2.pool()}) == 3
+
+
+def test_pool_memory_goes_back_when_its_users_are_gone():
+    with simulated_accelerator("lazy"):
+        s = torch.cuda.Stream()
+        x = torch.ones(1000, device="cuda")  # one 4096-byte block
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            tmp = x * 2  # 4096 bytes in the graph's pool
+            out = tmp + 1
+            del tmp
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_reserved() == 3 * 4096
+        torch.cuda.empty_cache()  # a live graph's pool keeps its free blocks, as in torch
+        assert torch.cuda.memory_reserved() == 3 * 4096
+        del g
+        gc.collect()
+        assert torch.cuda.memory_reserved() == 2 * 4096  # tmp's block went back
+        del out
+        gc.collect()
+        assert torch.cuda.memory_reserved() == 4096  # out's too, once freed
+        with pytest.raises(RuntimeError, match="pool"):
+            torch.cuda.CUDAGraph().pool()  # no capture yet
+        with pytest.raises(TypeError, match="memory pool"), torch.cuda.stream(s):
+            torch.cuda.CUDAGraph().capture_begin(pool="mine")
+        assert not torch.cuda.is_current_stream_capturing()
+
+
+def test_use_mem_pool_routes_this_threads_allocations():
+    with simulated_accelerator("lazy"):
+        pool = torch.cuda.MemPool()
+        assert isinstance(pool, torch.cuda.MemPool) and pool.allocator is None
+        assert pool.use_count() == 1
+        with torch.cuda.use_mem_pool(pool):
+            assert pool.use_count() == 2
+            x = torch.ones(1000, device="cuda")
+            where = x.data_ptr()
+            del x
+            gc.collect()
+            y = torch.zeros(1000, device="cuda")
+            assert y.data_ptr() == where  # freed in the pool: reused by the pool
+        assert pool.use_count() == 1
+        del y
+        gc.collect()
+        z = torch.zeros(1000, device="cuda")
+        assert z.data_ptr() != where  # outside the pool: not its memory
+        assert torch.cuda.memory_reserved() == 2 * 4096
+        with torch.cuda.use_mem_pool(pool):
+            w = torch.zeros(1000, device="cuda")
+            assert w.data_ptr() == where
+        del w, pool
+        gc.collect()
+        assert torch.cuda.memory_reserved() == 4096  # the pool's block went back
+        with pytest.raises(TypeError, match="MemPool"):
+            with torch.cuda.use_mem_pool((1, 0)):
+                pass
+        with pytest.raises(NotImplementedError, match="allocator"):
+            torch.cuda.MemPool(allocator=object())
+        assert z.sum().item() == 0
+
+
+def test_pool_names_put_back_on_close():
+    real = (torch.cuda.MemPool, torch.cuda.use_mem_pool, torch.cuda.graph_pool_handle,
+            torch.cuda.memory.MemPool)
+    with simulated_accelerator("lazy"):
+        assert torch.cuda.MemPool is not real[0]
+        handle = torch.cuda.graph_pool_handle()
+        assert isinstance(handle, tuple) and len(handle) == 2
+        assert torch.cuda.graph_pool_handle() != handle  # each a new id
+    assert (torch.cuda.MemPool, torch.cuda.use_mem_pool, torch.cuda.graph_pool_handle,
+            torch.cuda.memory.MemPool) == real
