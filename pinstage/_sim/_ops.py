@@ -366,6 +366,9 @@ def _d2h(sim: SimState, dst: torch.Tensor, src: Any, nb: bool) -> Any:
                                      acc=("device-to-host copy", (s_in,), (dst,))),
                           "d2h_copies")
         return dst
+    if stream.capture is not None:  # (CUDA's check, before any driver call: no invalidation)
+        raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture "
+                           "unless the CPU tensor is pinned.")
     sim.sched.races.access(stream, stream.last, "blocking device-to-host copy", (s_in,))
     sim.sched.stats.d2h_copies += 1
     sim.sched.host_wait(stream, stream.last, "a device-to-host copy")

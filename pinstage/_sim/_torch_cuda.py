@@ -8,6 +8,7 @@ Code that looks them up when it runs (``torch.cuda.Event()``) gets the simulated
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,8 @@ import torch
 from .._errors import DriverError, HazardError
 from ._alloc import cuda_names, new_pool_id, pool_id_of
 from ._core import SimState, active, current
+from ._cuda_api import PRIORITY_RANGE, CudaRt, clamp_priority, error_string
+from ._cuda_api import names as _api_names
 from ._hazards import Registration
 from ._rng import Generator as _SimTorchGenerator
 from ._rng import cuda_names as _rng_cuda_names
@@ -89,7 +92,7 @@ def _tell_user_set_stream(stream: SimStream) -> None:
 
 
 def _new_stream(device: Any = None, priority: int = 0, **kwargs: Any) -> SimStream:
-    return _sim().sched.new_stream(device, priority)
+    return _sim().sched.new_stream(device, clamp_priority(priority))
 
 
 class _StreamType(type):
@@ -104,6 +107,13 @@ class _StreamType(type):
 
 class Stream(metaclass=_StreamType):
     """``torch.cuda.Stream`` while simulated (constructing one makes a :class:`SimStream`)."""
+
+    device_type = 1  # c10's DeviceType of CUDA
+
+    @staticmethod
+    def priority_range() -> tuple[int, int]:
+        """(least, greatest) stream priority; lower numbers are higher priorities."""
+        return PRIORITY_RANGE
 
 
 class _EventType(type):
@@ -130,6 +140,9 @@ class SimGraph:
         self.ops: list[Op] = []
         self._captured = False
         self._stream: SimStream | None = None
+        self._keep_graph = bool(keep_graph)
+        self._instantiated = False
+        self._failed = False
 
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
         sched = self._sim.sched
@@ -143,6 +156,7 @@ class SimGraph:
         self._release_pool()
         self.ops = []
         _rng_forget(self)
+        self._ended = self._instantiated = False
         self._captured = True
         self._stream = stream
         # the graph's memory: a private pool, shared with the graphs given the same id
@@ -164,10 +178,28 @@ class SimGraph:
     def capture_end(self) -> None:
         if self._stream is not None:
             self._sim.sched.end_capture(self._stream, self)
+            self._ended = True
+            if not self.ops and not getattr(self, "_failed", False):
+                warnings.warn("the captured CUDA graph has no device work: nothing was queued "
+                              "on the capture stream while capturing (was the work sent to "
+                              "another stream or device?) (simulated)", UserWarning,
+                              stacklevel=2)
+            if not self._keep_graph:
+                self._instantiated = True
+
+    def instantiate(self) -> None:
+        """Make the captured graph replayable: ``capture_end`` does it unless the graph was
+        made with ``keep_graph=True``, in which case ``replay`` does it the first time."""
+        if not getattr(self, "_ended", False):
+            raise RuntimeError("CUDAGraph.instantiate() needs a finished capture: call "
+                               "capture_end() first")
+        self._instantiated = True
 
     def replay(self) -> None:
         if not self._captured:
             raise RuntimeError("CUDAGraph.replay() before a capture")
+        if not self._instantiated:
+            self.instantiate()
         sched = self._sim.sched
         stream = sched.current_stream()
         with sched.lock:
@@ -181,6 +213,7 @@ class SimGraph:
                                                          *op.acc[1:])), None)
 
     def reset(self) -> None:
+        self._ended = self._instantiated = False
         self.ops = []
         _rng_forget(self)
         self._release_pool()
@@ -219,7 +252,12 @@ class graph:
         self.cuda_graph.capture_begin(self.pool, self.capture_error_mode)
 
     def __exit__(self, *exc: Any) -> None:
-        self.cuda_graph.capture_end()
+        graph = self.cuda_graph
+        graph._failed = exc[0] is not None  # (a block that raised: no empty-graph warning)
+        try:
+            graph.capture_end()
+        finally:
+            graph._failed = False
         self.stream_ctx.__exit__(*exc)
 
 
@@ -228,6 +266,7 @@ class _Cudart:
 
     def __init__(self, sim: SimState) -> None:
         self._sim = sim
+        self.raw = CudaRt(sim)
 
     def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802
         return SimDriver(self._sim).register(ptr, size)
@@ -236,7 +275,13 @@ class _Cudart:
         return SimDriver(self._sim).unregister(ptr)
 
     def cudaGetErrorString(self, err: int) -> str:  # noqa: N802
-        return f"simulated CUDA error {err}"
+        return error_string(err)
+
+    def cudaStreamCreate(self, ptr: int) -> int:  # noqa: N802
+        return self.raw.cudaStreamCreate(ptr)
+
+    def cudaStreamDestroy(self, stream: int) -> int:  # noqa: N802
+        return self.raw.cudaStreamDestroy(stream)
 
     def cudaProfilerStart(self) -> int:  # noqa: N802
         return 0
@@ -420,7 +465,7 @@ class _TorchStreamType(type):
         dev = torch.device(device) if isinstance(device, str) else device
         if sim is None or (isinstance(dev, torch.device) and dev.type != "cuda"):
             return cls.real(device, priority=priority, **kwargs)
-        return sim.sched.new_stream(dev, priority)
+        return sim.sched.new_stream(dev, clamp_priority(priority))
 
 
 class _TorchEventType(type):
@@ -586,6 +631,8 @@ def install(sim: SimState) -> Callable[[], None]:
     patches.install(torch.cuda.graphs, {"graph_pool_handle": names["graph_pool_handle"]})
     top, c_names = _torch_level_names(sim)
     top["Generator"] = _SimTorchGenerator
+    for namespace, extra in _api_names(sim, cudart.raw).items():
+        patches.install(namespace, extra)
     restore_generators = _rng_install(sim)
     patches.install(torch, top)
     patches.install(torch._C, c_names)

@@ -1,0 +1,258 @@
+"""The smaller parts of ``torch.cuda`` that PyTorch's own tests use, on the simulated devices:
+stream priorities and the CUDA stream protocol, ``Event.device``, ``check_error``,
+``get_allocator_backend``, raw streams through ``cudart()`` and ``ExternalStream``, the legacy
+``torch.cuda.FloatTensor``-style types and ``torch.cuda.comm``'s collectives across devices.
+``names(sim)`` gives them, per namespace, for ``_torch_cuda.install``."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ._core import SimState, active
+from ._sched import SimEvent, SimStream
+from ._tensor import empty_device, is_device
+
+__all__ = ["PRIORITY_RANGE", "clamp_priority", "names", "CudaRt"]
+
+# (least, greatest): PyTorch exposes at most 4 priority levels (0 .. -3) on GPUs whose range
+# is wider, as a compute-capability 9.0 device's is
+PRIORITY_RANGE = (0, -3)
+
+
+def clamp_priority(priority: Any) -> int:
+    """A stream priority mapped into the supported range, as CUDA maps one outside it."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise TypeError(f"a stream priority must be an int, got {priority!r}")
+    least, greatest = PRIORITY_RANGE
+    return max(greatest, min(least, priority))
+
+
+def _priority_range() -> tuple[int, int]:
+    return PRIORITY_RANGE
+
+
+def _cuda_stream_protocol(self: SimStream) -> tuple[int, int]:
+    """The CUDA Stream Protocol: (version 0, the stream's handle)."""
+    return (0, int(self.cuda_stream))
+
+
+def _event_device(self: SimEvent) -> torch.device | None:
+    """The device of the stream the event was recorded on; ``None`` before it is recorded
+    (a CUDA event is created at its first record)."""
+    stream = self.stream
+    return None if stream is None else stream.device
+
+
+def _event_handle(self: SimEvent) -> int:
+    """``Event.cuda_event``: 0 until the event is first recorded, then a stable handle."""
+    if self.stream is None and not getattr(self, "_handle", 0):
+        return 0
+    handle = getattr(self, "_handle", 0)
+    if not handle:
+        handle = self._handle = 0x5E00_0000 + id(self) % 0x00FF_FFFF  # type: ignore[attr-defined]
+    return int(handle)
+
+
+SimStream.priority_range = staticmethod(_priority_range)  # type: ignore[attr-defined]
+SimStream.__cuda_stream__ = _cuda_stream_protocol  # type: ignore[attr-defined]
+SimStream._as_parameter_ = property(  # type: ignore[attr-defined]
+    lambda self: ctypes.c_void_p(self.cuda_stream))
+SimEvent.device = property(_event_device)  # type: ignore[attr-defined]
+SimEvent.cuda_event = property(_event_handle)  # type: ignore[attr-defined]
+SimEvent._as_parameter_ = property(  # type: ignore[attr-defined]
+    lambda self: ctypes.c_void_p(_event_handle(self)))
+
+
+# --------------------------------------------------------------------------------------------
+# errors
+
+
+_ERROR_NAMES = {1: "cudaErrorInvalidValue", 2: "cudaErrorMemoryAllocation",
+                100: "cudaErrorNoDevice", 101: "cudaErrorInvalidDevice",
+                400: "cudaErrorInvalidResourceHandle", 700: "cudaErrorIllegalAddress",
+                713: "cudaErrorHostMemoryNotRegistered", 801: "cudaErrorNotSupported",
+                900: "cudaErrorStreamCaptureUnsupported"}
+
+
+def error_string(code: int) -> str:
+    name = _ERROR_NAMES.get(int(code))
+    return f"{name} (simulated error {code})" if name else f"simulated CUDA error {code}"
+
+
+def check_error(res: int) -> None:
+    """``torch.cuda.check_error``: nothing for 0 (``cudaSuccess``), else ``CudaError``."""
+    if isinstance(res, bool) or not isinstance(res, int):
+        raise TypeError(f"check_error() expects a CUDA error code (int), got {res!r}")
+    if res == 0:
+        return
+    err = torch.cuda.CudaError.__new__(torch.cuda.CudaError)
+    RuntimeError.__init__(err, f"{error_string(res)} ({res})")
+    raise err
+
+
+# --------------------------------------------------------------------------------------------
+# raw streams
+
+
+class CudaRt:
+    """The raw-stream calls of ``torch.cuda.cudart()``: ``cudaStreamCreate(ptr)`` writes a new
+    simulated stream's handle at ``ptr`` (a ``cudaStream_t*``), ``cudaStreamDestroy(handle)``
+    forgets it; ``torch.cuda.ExternalStream(handle)`` finds the stream again."""
+
+    def __init__(self, sim: SimState) -> None:
+        self.sim = sim
+        self.raw: dict[int, SimStream] = {}
+
+    def cudaStreamCreate(self, ptr: int) -> int:  # noqa: N802
+        if not isinstance(ptr, int) or isinstance(ptr, bool) or ptr == 0:
+            return 1  # cudaErrorInvalidValue
+        stream = self.sim.sched.new_stream(None, 0)
+        self.raw[int(stream.cuda_stream)] = stream
+        ctypes.c_uint64.from_address(ptr).value = int(stream.cuda_stream)
+        return 0
+
+    def cudaStreamDestroy(self, handle: int) -> int:  # noqa: N802
+        return 0 if self.raw.pop(int(handle or 0), None) is not None else 400
+
+    def external(self, stream_ptr: Any, device: Any = None, **kwargs: Any) -> SimStream:
+        handle = int(getattr(stream_ptr, "value", stream_ptr) or 0)
+        stream = self.raw.get(handle)
+        if stream is None:
+            for s in self.sim.sched.all_streams():
+                if int(s.cuda_stream) == handle:
+                    stream = s
+                    break
+        if stream is None:
+            raise ValueError(f"ExternalStream: {handle:#x} is not a stream of the simulated "
+                             "devices (make it with torch.cuda.cudart().cudaStreamCreate)")
+        return stream
+
+
+# --------------------------------------------------------------------------------------------
+# legacy tensor types
+
+_LEGACY = {"FloatTensor": torch.float32, "DoubleTensor": torch.float64,
+           "HalfTensor": torch.float16, "BFloat16Tensor": torch.bfloat16,
+           "LongTensor": torch.int64, "IntTensor": torch.int32, "ShortTensor": torch.int16,
+           "CharTensor": torch.int8, "ByteTensor": torch.uint8, "BoolTensor": torch.bool}
+
+
+class _LegacyType(type):
+    """``torch.cuda.FloatTensor`` and the like: calling one makes a simulated tensor of its
+    dtype (sizes: uninitialized; data: copied; nothing: empty), and ``isinstance`` holds for
+    simulated tensors of that dtype, as for CUDA tensors."""
+
+    dtype: torch.dtype
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return is_device(obj) and obj.dtype == cls.dtype
+
+    def __call__(cls, *args: Any, device: Any = None) -> Any:
+        sim = active()
+        probe = empty_device(sim, (0,), cls.dtype, sim.sched.device_index(device))
+        return probe.new(*args)
+
+    def __repr__(cls) -> str:
+        return f"<class 'torch.cuda.{cls.__name__}'>"
+
+
+def _legacy_types() -> dict[str, Any]:
+    return {name: _LegacyType(name, (), {"dtype": dtype, "is_cuda": True,
+                                         "__module__": "torch.cuda"})
+            for name, dtype in _LEGACY.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# torch.cuda.comm
+
+
+def _comm(sim: SimState) -> dict[str, Any]:
+    sched = sim.sched
+
+    def dev(d: Any) -> torch.device:
+        if isinstance(d, torch.device) and d.type == "cpu" or d in ("cpu", -1):
+            return torch.device("cpu")
+        return torch.device("cuda", sched.device_index(d))
+
+    def on(t: torch.Tensor, d: torch.device) -> torch.Tensor:
+        same = (is_device(t) and d.type == "cuda" and t.get_device() == d.index) or \
+            (not is_device(t) and d.type == "cpu")
+        return t if same else t.to(d)
+
+    def broadcast(tensor: torch.Tensor, devices: Sequence[Any] | None = None, *,
+                  out: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+        if (devices is None) == (out is None):
+            raise RuntimeError("broadcast: exactly one of 'devices' and 'out' must be given, "
+                               f"got devices={devices!r} and out={out!r}")
+        if out is not None:
+            for o in out:
+                o.copy_(tensor)
+            return tuple(out)
+        return tuple(on(tensor, dev(d)) for d in devices)  # type: ignore[union-attr]
+
+    def scatter(tensor: torch.Tensor, devices: Sequence[Any] | None = None,
+                chunk_sizes: Sequence[int] | None = None, dim: int = 0,
+                streams: Sequence[Any] | None = None, *,
+                out: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+        if (devices is None) == (out is None):
+            raise RuntimeError("scatter: exactly one of 'devices' and 'out' must be given")
+        if out is not None:
+            parts = tensor.split([o.shape[dim] for o in out], dim)
+            for o, p in zip(out, parts):
+                o.copy_(p)
+            return tuple(out)
+        devices = list(devices or ())
+        parts = tensor.split(list(chunk_sizes), dim) if chunk_sizes is not None else \
+            tensor.chunk(len(devices), dim)
+        if len(parts) != len(devices):
+            raise ValueError(f"scatter: {len(parts)} chunks for {len(devices)} devices")
+        result = []
+        for i, (p, d) in enumerate(zip(parts, devices)):
+            stream = streams[i] if streams is not None else None
+            with torch.cuda.stream(stream):
+                result.append(p.contiguous().to(dev(d)))
+        return tuple(result)
+
+    def gather(tensors: Sequence[torch.Tensor], dim: int = 0, destination: Any = None, *,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        if not tensors:
+            raise ValueError("gather: expected at least one tensor")
+        if out is not None:
+            if destination is not None:
+                raise RuntimeError("gather: 'destination' must not be given with 'out'")
+            target = out.device
+        else:
+            target = dev(sched.current_device() if destination is None else destination)
+        joined = torch.cat([on(t, target) for t in tensors], dim)
+        if out is not None:
+            return out.copy_(joined)
+        return joined
+
+    def reduce_add(inputs: Sequence[torch.Tensor], destination: Any = None) -> torch.Tensor:
+        target = dev(sched.current_device() if destination is None else destination)
+        total = on(inputs[0], target).clone()
+        for t in inputs[1:]:
+            total += on(t, target)
+        return total
+
+    return {"broadcast": broadcast, "scatter": scatter, "gather": gather,
+            "reduce_add": reduce_add}
+
+
+def names(sim: SimState, cudart: CudaRt) -> dict[Any, dict[str, Any]]:
+    """The stand-ins, per namespace to patch."""
+    import torch.cuda.comm
+    import torch.nn.parallel.comm
+
+    comm = _comm(sim)
+    cuda = {
+        "get_allocator_backend": lambda: "native",
+        "check_error": check_error,
+        "ExternalStream": cudart.external,
+        **_legacy_types(),
+    }
+    return {torch.cuda: cuda, torch.cuda.comm: comm, torch.nn.parallel.comm: comm}

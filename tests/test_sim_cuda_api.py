@@ -1,0 +1,154 @@
+"""The smaller parts of torch.cuda's API that PyTorch's own tests use, on the simulated CUDA
+(issue 17 item 4): stream priorities and the CUDA stream protocol, ``Event.device``,
+``CUDAGraph.instantiate``/``keep_graph``, the empty-graph warning, ``check_error``,
+``get_allocator_backend``, raw streams through ``cudart()``, legacy tensor types,
+``torch.cuda.comm`` across two devices, and CUDA's error for host copies during a capture.
+Expected values are torch's documented behaviour on CUDA."""
+
+from __future__ import annotations
+
+import ctypes
+import warnings
+
+import pytest
+import torch
+
+from pinstage.testing import simulated_accelerator
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_stream_priorities_and_protocol():
+    with simulated_accelerator("lazy"):
+        low, high = torch.cuda.Stream.priority_range()
+        assert (low, high) == (0, -3)  # at most 4 levels in PyTorch; lower is higher
+        assert torch.cuda.Stream.device_type == 1  # c10's DeviceType::CUDA
+        s_low, s_high = torch.cuda.Stream(priority=low), torch.cuda.Stream(priority=high)
+        assert (s_low.priority, s_high.priority) == (low, high)
+        # outside the range: mapped to the nearest supported priority, as torch documents
+        assert torch.cuda.Stream(priority=-100).priority == high
+        assert torch.cuda.Stream(priority=7).priority == low
+        assert s_low.priority_range() == (low, high) and s_low.device_type == 1
+        assert s_high.__cuda_stream__() == (0, s_high.cuda_stream)
+        assert torch.cuda.default_stream().__cuda_stream__() == (0, 0)
+        assert ctypes.c_void_p(s_high.cuda_stream).value == s_high._as_parameter_.value
+
+
+def test_event_device_and_handle():
+    with simulated_accelerator("lazy", device_count=2):
+        e = torch.cuda.Event()
+        assert e.device is None and e.cuda_event == 0  # created at its first record
+        with torch.cuda.device(1):
+            e.record()
+        assert e.device == torch.device("cuda", 1)
+        assert e.cuda_event != 0 and e.cuda_event == e.cuda_event
+
+
+def test_graph_instantiate_keep_graph_and_empty_warning():
+    with simulated_accelerator("lazy"):
+        x = torch.arange(4.0, device="cuda")
+        g = torch.cuda.CUDAGraph(keep_graph=True)
+        with pytest.raises(RuntimeError, match="capture_end"):
+            g.instantiate()
+        with torch.cuda.graph(g):
+            y = x * 2
+        g.instantiate()
+        g.replay()
+        assert y.tolist() == [0.0, 2.0, 4.0, 6.0]
+        lazy = torch.cuda.CUDAGraph(keep_graph=True)  # replay instantiates it
+        with torch.cuda.graph(lazy):
+            z = x + 1
+        lazy.replay()
+        assert z.tolist() == [1.0, 2.0, 3.0, 4.0]
+        with pytest.warns(UserWarning, match="graph has no device work"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                pass
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a graph with work: no warning
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                x.add_(1)
+
+
+def test_errors_backend_and_raw_streams():
+    with simulated_accelerator("lazy"):
+        assert torch.cuda.get_allocator_backend() == "native"
+        torch.cuda.check_error(0)  # cudaSuccess: nothing
+        with pytest.raises(torch.cuda.CudaError, match="cudaErrorMemoryAllocation"):
+            torch.cuda.check_error(2)
+        # PyTorch's test_external_streams makes a raw stream so
+        cudart = torch.cuda.cudart()
+        handle = ctypes.c_ulonglong(0)
+        where = ctypes.cast(ctypes.POINTER(ctypes.c_void_p)(handle), ctypes.c_void_p).value
+        assert cudart.cudaStreamCreate(where) == 0
+        assert handle.value != 0
+        ext = torch.cuda.ExternalStream(handle.value)
+        assert ext.cuda_stream == handle.value
+        with torch.cuda.stream(ext):
+            t = torch.ones(3, device="cuda") * 2
+        torch.cuda.synchronize()
+        assert t.tolist() == [2.0, 2.0, 2.0]
+        assert cudart.cudaStreamDestroy(handle.value) == 0
+        assert cudart.cudaStreamDestroy(handle.value) == 400  # cudaErrorInvalidResourceHandle
+        with pytest.raises(ValueError, match="Expected a cuda device, but got: cpu"):
+            torch.cuda.set_device("cpu")
+
+
+def test_legacy_tensor_types():
+    with simulated_accelerator("lazy"):
+        t = torch.cuda.FloatTensor(2, 3)
+        assert t.device.type == "cuda" and t.shape == (2, 3) and t.dtype == torch.float32
+        assert isinstance(t, torch.cuda.FloatTensor) and not isinstance(t, torch.cuda.LongTensor)
+        assert not isinstance(torch.ones(2), torch.cuda.FloatTensor)  # a CPU tensor
+        values = torch.cuda.LongTensor([1, 2, 3])
+        assert values.dtype == torch.int64 and values.tolist() == [1, 2, 3]
+        assert values.type() == "torch.cuda.LongTensor"
+        assert torch.cuda.ByteTensor().shape == (0,)
+        assert torch.cuda.DoubleTensor([1.5]).dtype == torch.float64
+
+
+def test_comm_across_two_devices():
+    with simulated_accelerator("lazy", device_count=2):
+        x = torch.arange(6.0, device="cuda:0")
+        copies = torch.cuda.comm.broadcast(x, [0, 1])
+        assert [c.device for c in copies] == [torch.device("cuda", 0), torch.device("cuda", 1)]
+        assert copies[0] is x and copies[1].tolist() == x.tolist()
+        parts = torch.cuda.comm.scatter(x, [0, 1])
+        assert [(p.device.index, p.tolist()) for p in parts] == [(0, [0.0, 1.0, 2.0]),
+                                                                   (1, [3.0, 4.0, 5.0])]
+        uneven = torch.cuda.comm.scatter(x, [1, 0], chunk_sizes=[4, 2])
+        assert [(p.device.index, len(p)) for p in uneven] == [(1, 4), (0, 2)]
+        back = torch.cuda.comm.gather(parts, destination=1)
+        assert back.device == torch.device("cuda", 1) and back.tolist() == x.tolist()
+        assert torch.cuda.comm.gather(parts, destination=-1).device.type == "cpu"
+        assert torch.cuda.comm.reduce_add(copies, 0).tolist() == (x * 2).tolist()
+        with pytest.raises(RuntimeError, match="exactly one"):
+            torch.cuda.comm.broadcast(x)
+
+
+def test_host_copies_during_capture_raise_cudas_error():
+    with simulated_accelerator("lazy"):
+        x = torch.ones(4, device="cuda")
+        pageable = torch.zeros(4)
+        pinned = torch.zeros(4).pin_memory()
+        message = "Cannot copy between CPU and CUDA tensors during CUDA graph capture"
+        for copy in (lambda: x.cpu(), lambda: pageable.copy_(x), lambda: pageable.cuda()):
+            g = torch.cuda.CUDAGraph()
+            with pytest.raises(RuntimeError, match=message), warnings.catch_warnings():
+                warnings.simplefilter("error")  # (a block that raised: no empty warning)
+                with torch.cuda.graph(g):
+                    copy()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):  # into pinned memory, non-blocking: allowed, as on CUDA
+            pinned.copy_(x * 3, non_blocking=True)
+        g.replay()
+        torch.cuda.synchronize()
+        assert pinned.tolist() == [3.0] * 4
+
+
+def test_small_names_put_back_on_close():
+    real = (torch.cuda.FloatTensor, torch.cuda.check_error, torch.cuda.comm.broadcast,
+            torch.cuda.get_allocator_backend, torch.cuda.ExternalStream)
+    with simulated_accelerator("lazy"):
+        assert torch.cuda.FloatTensor is not real[0]
+    assert (torch.cuda.FloatTensor, torch.cuda.check_error, torch.cuda.comm.broadcast,
+            torch.cuda.get_allocator_backend, torch.cuda.ExternalStream) == real
