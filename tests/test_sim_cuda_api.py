@@ -60,7 +60,7 @@ def test_graph_instantiate_keep_graph_and_empty_warning():
             z = x + 1
         lazy.replay()
         assert z.tolist() == [1.0, 2.0, 3.0, 4.0]
-        with pytest.warns(UserWarning, match="graph has no device work"):
+        with pytest.warns(UserWarning, match="The CUDA Graph is empty"):
             with torch.cuda.graph(torch.cuda.CUDAGraph()):
                 pass
         with warnings.catch_warnings():

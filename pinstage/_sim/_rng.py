@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+import threading
 import weakref
 from typing import Any
 
@@ -46,6 +47,7 @@ _RealGenerator = torch._C.Generator
 _TAG_BASE = 0x5157_0000_0000_0000
 _tags = itertools.count(1)
 _by_tag: weakref.WeakValueDictionary[int, SimGenerator] = weakref.WeakValueDictionary()
+_take_lock = threading.Lock()  # (launches from several host threads take distinct offsets)
 
 
 def _mix(seed: int, offset: int) -> int:
@@ -134,8 +136,9 @@ class SimGenerator(_RealGenerator):
 
     def take(self) -> tuple[int, int]:
         """A kernel's launch: its ``(seed, offset)``; the offset moves on by 4."""
-        key = (self._seed, self._offset)
-        self._offset += 4
+        with _take_lock:
+            key = (self._seed, self._offset)
+            self._offset += 4
         return key
 
     def __repr__(self) -> str:
@@ -226,9 +229,10 @@ def replay_bases(graph: Any) -> dict[Any, int]:
     """A replay's launch: each generator its captured kernels use gives them its current
     offset and moves on past them."""
     bases: dict[Any, int] = {}
-    for gen, n in getattr(graph, "_rng_count", {}).items():
-        bases[gen] = gen._offset
-        gen._offset += n
+    with _take_lock:
+        for gen, n in getattr(graph, "_rng_count", {}).items():
+            bases[gen] = gen._offset
+            gen._offset += n
     return bases
 
 
@@ -243,13 +247,39 @@ def _device_index(args: Any, kwargs: dict[str, Any]) -> int:
     return 0
 
 
+class _Seeded:
+    """An aten op that draws from ``private`` when it runs on host tensors, and runs without
+    a generator on meta tensors (shape inference: some meta kernels refuse generators); the
+    op as the simulator's default handler sees it, attributes delegated."""
+
+    __slots__ = ("func", "private")
+
+    def __init__(self, func: Any, private: torch.Generator) -> None:
+        self.func, self.private = func, private
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if any(isinstance(x, torch.Tensor) and x.is_meta for x in (*args, *kwargs.values())):
+            return self.func(*args, **kwargs)
+        return self.func(*args, **kwargs, generator=self.private)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.func, name)
+
+    def __hash__(self) -> int:
+        return hash(self.func)
+
+    def __eq__(self, other: object) -> bool:
+        return self.func == (other.func if isinstance(other, _Seeded) else other)
+
+
 def _seeded_kernel(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     """A random op with a ``generator`` argument on a simulated tensor."""
     index = _device_index(args, kwargs)
     gen = _resolve(sim, kwargs.get("generator"), index)
     private, graph = _launch(sim, gen, index)
     before = len(graph.ops) if graph is not None else 0
-    out = _DEFAULTS["op"](sim, func, args, {**kwargs, "generator": private})
+    kw = {k: v for k, v in kwargs.items() if k != "generator"}
+    out = _DEFAULTS["op"](sim, _Seeded(func, private), args, kw)
     if graph is not None:
         _note_captured(graph, before, private, gen)
     return out

@@ -180,8 +180,8 @@ class SimGraph:
             self._sim.sched.end_capture(self._stream, self)
             self._ended = True
             if not self.ops and not getattr(self, "_failed", False):
-                warnings.warn("the captured CUDA graph has no device work: nothing was queued "
-                              "on the capture stream while capturing (was the work sent to "
+                warnings.warn("The CUDA Graph is empty: no device work was queued "
+                              "on the capture stream while capturing (was it sent to "
                               "another stream or device?) (simulated)", UserWarning,
                               stacklevel=2)
             if not self._keep_graph:
