@@ -89,8 +89,12 @@ def test_errors_backend_and_raw_streams():
         assert t.tolist() == [2.0, 2.0, 2.0]
         assert cudart.cudaStreamDestroy(handle.value) == 0
         assert cudart.cudaStreamDestroy(handle.value) == 400  # cudaErrorInvalidResourceHandle
-        with pytest.raises(ValueError, match="Expected a cuda device, but got: cpu"):
-            torch.cuda.set_device("cpu")
+        for call in (lambda: torch.cuda.set_device("cpu"), lambda: torch.cuda.Stream("cpu"),
+                     lambda: torch.cuda.device("cpu"), lambda: torch.cuda.synchronize("cpu")):
+            with pytest.raises(ValueError, match="Expected a cuda device, but got: cpu"):
+                call()
+        with pytest.raises(RuntimeError, match="Invalid device, must be cuda device"):
+            torch.ones(2).cuda("cpu")
 
 
 def test_legacy_tensor_types():
@@ -123,6 +127,11 @@ def test_comm_across_two_devices():
         assert torch.cuda.comm.reduce_add(copies, 0).tolist() == (x * 2).tolist()
         with pytest.raises(RuntimeError, match="exactly one"):
             torch.cuda.comm.broadcast(x)
+        y = torch.ones(2, device="cuda:0")
+        per_device = torch.cuda.comm.broadcast_coalesced([x, y], [0, 1])
+        assert per_device[0][0] is x and per_device[0][1] is y
+        assert [t.device.index for t in per_device[1]] == [1, 1]
+        assert per_device[1][1].tolist() == [1.0, 1.0]
 
 
 def test_host_copies_during_capture_raise_cudas_error():

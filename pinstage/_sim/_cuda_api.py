@@ -239,8 +239,14 @@ def _comm(sim: SimState) -> dict[str, Any]:
             total += on(t, target)
         return total
 
+    def broadcast_coalesced(tensors: Sequence[torch.Tensor], devices: Sequence[Any],
+                            buffer_size: int = 10485760) -> list[tuple[torch.Tensor, ...]]:
+        """Per device, the tensors there (``DataParallel``'s replicate uses it); the source
+        device gets the tensors themselves."""
+        return [tuple(on(t, dev(d)) for t in tensors) for d in devices]
+
     return {"broadcast": broadcast, "scatter": scatter, "gather": gather,
-            "reduce_add": reduce_add}
+            "reduce_add": reduce_add, "broadcast_coalesced": broadcast_coalesced}
 
 
 def names(sim: SimState, cudart: CudaRt) -> dict[Any, dict[str, Any]]:

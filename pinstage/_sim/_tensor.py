@@ -367,6 +367,9 @@ def _to(self: Any, *args: Any, **kwargs: Any) -> Any:
 def _cuda(self: torch.Tensor, device: Any = None, non_blocking: bool = False,
           **kwargs: Any) -> Any:
     sim = _active()
+    if device is not None and not isinstance(device, int) and \
+            torch.device(device).type != "cuda":
+        raise RuntimeError("Invalid device, must be cuda device")  # (torch's words)
     index = sim.sched.device_index(device)
     return _to(self, torch.device("cuda", index), non_blocking=non_blocking)
 
