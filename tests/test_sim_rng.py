@@ -221,3 +221,29 @@ def test_each_random_kernel_replays_as_eager(name):
             results.append([o.tolist() for o in outs])
             assert results[-1] == control
         assert results[0] != results[1]
+
+
+def test_graphsafe_states_are_shared_and_clones_are_copies():
+    """CUDA's graph-safe generator states: ``graphsafe_get_state`` shares the generator's
+    state, ``clone_state`` copies it, ``graphsafe_set_state`` switches a generator (and the
+    graphs that captured its kernels) to another state."""
+    with simulated_accelerator("lazy"):
+        gen = torch.cuda.default_generators[0]
+        gen.manual_seed(0)
+        shared, copy = gen.graphsafe_get_state(), gen.clone_state()
+        torch.rand(4, device="cuda")
+        assert shared.get_offset() == gen.get_offset() == 4 and copy.get_offset() == 0
+        s = torch.cuda.Stream()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(s):
+            g.capture_begin()
+            out = torch.rand(4, device="cuda")
+            g.capture_end()
+        g.register_generator_state(copy)
+        torch.cuda.current_stream().wait_stream(s)
+        gen.graphsafe_set_state(copy)  # from offset 0 of seed 0 again
+        g.replay()
+        first = out.tolist()
+        torch.cuda.manual_seed(0)
+        assert torch.rand(4, device="cuda").tolist() == first
+        assert copy.get_offset() == 4  # the generator and `copy` are one state now

@@ -64,16 +64,31 @@ class SimGenerator(_RealGenerator):
     and ``clone_state`` as on CUDA. It is a ``torch.Generator``, so torch's functions accept
     it where a generator is asked for."""
 
-    _seed: int
-    _offset: int
+    _st: list[int]  # [seed, offset]: shared by the generators graphsafe_get_state links
     _index: int
+
+    @property
+    def _seed(self) -> int:
+        return self._st[0]
+
+    @_seed.setter
+    def _seed(self, value: int) -> None:
+        self._st[0] = value
+
+    @property
+    def _offset(self) -> int:
+        return self._st[1]
+
+    @_offset.setter
+    def _offset(self, value: int) -> None:
+        self._st[1] = value
 
     def __new__(cls, index: int = 0, seed: int = DEFAULT_SEED) -> SimGenerator:
         self = super().__new__(cls)
         tag = _TAG_BASE + next(_tags)
         _RealGenerator.manual_seed(self, tag)
         _by_tag[tag] = self
-        self._index, self._seed, self._offset = int(index), int(seed) & _MASK64, 0
+        self._index, self._st = int(index), [int(seed) & _MASK64, 0]
         return self
 
     def __init__(self, index: int = 0, seed: int = DEFAULT_SEED) -> None:
@@ -130,9 +145,25 @@ class SimGenerator(_RealGenerator):
         return self
 
     def clone_state(self) -> SimGenerator:
+        """A new generator with a copy of this one's state."""
         g = SimGenerator(self._index, self._seed)
         g._offset = self._offset
         return g
+
+    def graphsafe_get_state(self) -> SimGenerator:
+        """A generator over this one's state itself (drawing from either moves both)."""
+        g = SimGenerator(self._index)
+        g._st = self._st
+        return g
+
+    def graphsafe_set_state(self, state: Any) -> SimGenerator:  # type: ignore[override]
+        """From now on this generator uses ``state``'s state (shared, not copied); graphs
+        that captured kernels of this generator draw from it at their next replay."""
+        if not isinstance(state, SimGenerator):
+            raise TypeError(f"graphsafe_set_state() expects a simulated CUDA generator, got "
+                            f"{state!r}")
+        self._st = state._st
+        return self
 
     def take(self) -> tuple[int, int]:
         """A kernel's launch: its ``(seed, offset)``; the offset moves on by 4."""

@@ -226,6 +226,11 @@ class SimGraph:
             raise RuntimeError("Called CUDAGraph.pool() without a preceding capture_begin()")
         return pool_id  # type: ignore[no-any-return]
 
+    def register_generator_state(self, generator: Any) -> None:
+        """Accepted: every simulated generator a captured kernel uses is followed at replay
+        (CUDA needs non-default generators registered)."""
+        return None
+
     def enable_debug_mode(self) -> None:
         return None
 
