@@ -161,3 +161,22 @@ def test_small_names_put_back_on_close():
         assert torch.cuda.FloatTensor is not real[0]
     assert (torch.cuda.FloatTensor, torch.cuda.check_error, torch.cuda.comm.broadcast,
             torch.cuda.get_allocator_backend, torch.cuda.ExternalStream) == real
+
+
+def test_tensor_type_with_legacy_types_moves_as_torch_does():
+    """``Tensor.type(T)``: a ``torch.cuda.*Tensor`` (name or type) is that dtype on the
+    device, a ``torch.*Tensor`` that dtype on the CPU, a dtype keeps the device."""
+    with simulated_accelerator("lazy"):
+        x = torch.arange(3, device="cuda")
+        host = torch.arange(3)
+        for target in ("torch.cuda.DoubleTensor", torch.cuda.DoubleTensor):
+            y = x.type(target)
+            assert (y.device.type, y.dtype, y.tolist()) == ("cuda", torch.float64, [0, 1, 2])
+            z = host.type(target)
+            assert (z.device.type, z.dtype) == ("cuda", torch.float64)
+        for target in ("torch.DoubleTensor", torch.DoubleTensor):
+            y = x.type(target)
+            assert (y.device.type, y.dtype, y.tolist()) == ("cpu", torch.float64, [0, 1, 2])
+        assert x.type(torch.float16).device.type == "cuda"
+        assert x.type() == "torch.cuda.LongTensor" and host.type() == "torch.LongTensor"
+        assert host.type(torch.float16).device.type == "cpu"

@@ -283,10 +283,46 @@ def _type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False,
                 torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
                 torch.bool: "Bool"}.get(self.dtype, "")
         return f"torch.cuda.{name}Tensor"
-    if isinstance(dtype, str):
-        dtype = dtype.replace(".cuda.", ".")  # 'torch.cuda.DoubleTensor': stay on the device
+    target = _legacy_target(dtype)
+    if target is not None:  # a legacy type: its device and dtype ('torch.DoubleTensor': CPU)
+        cuda, dt = target
+        device = self.device if cuda else _CPU
+        return _to(self, device, dt, non_blocking=bool(non_blocking))
     with torch._C.DisableTorchFunctionSubclass():
         return _from_proxy(_T.type(_to_proxy(self), dtype, non_blocking, **kwargs))
+
+
+_LEGACY_DTYPES = {"Float": torch.float32, "Double": torch.float64, "Half": torch.float16,
+                  "BFloat16": torch.bfloat16, "Long": torch.int64, "Int": torch.int32,
+                  "Short": torch.int16, "Char": torch.int8, "Byte": torch.uint8,
+                  "Bool": torch.bool}
+
+
+def _legacy_target(t: Any) -> tuple[bool, torch.dtype] | None:
+    """(on CUDA?, dtype) of a legacy tensor type, by name (``'torch.cuda.FloatTensor'``) or
+    as a type (``torch.cuda.FloatTensor``, ``torch.DoubleTensor``); ``None`` otherwise."""
+    if isinstance(t, str):
+        cuda = t.startswith("torch.cuda.")
+        name = t[len("torch.cuda."):] if cuda else t[len("torch."):] \
+            if t.startswith("torch.") else ""
+        dt = _LEGACY_DTYPES.get(name[:-len("Tensor")]) if name.endswith("Tensor") else None
+        return None if dt is None else (cuda, dt)
+    of_type, on_cuda = getattr(t, "dtype", None), getattr(t, "is_cuda", None)
+    if isinstance(t, type) and isinstance(of_type, torch.dtype) and isinstance(on_cuda, bool):
+        return on_cuda, of_type
+    return None
+
+
+def _mode_type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False,
+               **kwargs: Any) -> Any:
+    """``Tensor.type`` of a host tensor: a CUDA legacy type moves it to the device."""
+    target = _legacy_target(dtype) if dtype is not None else None
+    if target is not None and target[0]:
+        return _to(self, torch.device("cuda"), target[1], non_blocking=bool(non_blocking))
+    with torch._C.DisableTorchFunction():
+        if dtype is None:
+            return _T.type(self)
+        return _T.type(self, dtype, non_blocking, **kwargs)
 
 
 def _new_tensor(self: torch.Tensor, data: Any, dtype: Any = None, device: Any = None,
@@ -617,7 +653,7 @@ def _mode_copy_(self: torch.Tensor, src: Any, non_blocking: bool = False) -> tor
 
 _MODE: dict[Any, Callable[..., Any]] = {
     _T.to: _to, _T.cuda: _cuda, _T.cpu: _cpu, _T.pin_memory: _pin_memory,
-    _T.is_pinned: _is_pinned, _T.copy_: _mode_copy_,
+    _T.is_pinned: _is_pinned, _T.copy_: _mode_copy_, _T.type: _mode_type,
 }
 
 
