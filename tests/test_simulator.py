@@ -471,6 +471,30 @@ def test_generic_accelerator_api_answers_for_the_simulated_devices():
     assert not torch.accelerator.is_available() and torch.accelerator.device_count() == 0
 
 
+def test_the_cuda_entry_points_of_torch_C_and_a_cuda_version_while_open():
+    """PyTorch's test harness (common_utils.CudaNonDefaultStream) sets streams and devices
+    through torch._C's CUDA entry points, and its graph tests are gated on
+    torch.version.cuda: they answer for the simulated devices, and leave with it."""
+    assert torch.version.cuda is None  # (the CPU build of torch this project tests with)
+    with simulated_accelerator(mode="lazy", device_count=2):
+        assert torch.version.cuda == "12.8"
+        s = torch.cuda.Stream(device=1)
+        torch._C._cuda_setStream(stream_id=s.stream_id, device_index=s.device_index,
+                                 device_type=s.device_type)
+        assert torch.cuda.current_stream(1) is s
+        assert torch.cuda.current_stream(0) is torch.cuda.default_stream(0)
+        torch._C._cuda_setDevice(1)
+        assert torch._C._cuda_getDevice() == 1 == torch.cuda.current_device()
+        assert torch.ones(2, device="cuda").device == torch.device("cuda", 1)
+        torch._C._cuda_setDevice(0)
+        assert torch._C._cuda_getDevice() == 0
+        assert not torch.cuda._is_compiled()  # (torch reads _cuda_getDeviceCount for that)
+        with pytest.raises(RuntimeError, match="no simulated stream with id 12345"):
+            torch._C._cuda_setStream(stream_id=12345, device_index=0, device_type=1)
+    assert torch.version.cuda is None
+    assert not hasattr(torch._C, "_cuda_setStream")  # (a CPU build has none)
+
+
 def test_a_torch_cuda_patch_made_before_the_simulator_keeps_working():
     """vLLM replaces torch.cuda.set_stream at import to track its current stream: the
     simulator leaves the patch in place, and both set_stream calls and stream contexts reach

@@ -543,8 +543,33 @@ def _torch_level_names(sim: SimState) -> tuple[dict[str, Any], dict[str, Any]]:
         "_accelerator_isAllocatorInitialized": lambda: False,
         "_accelerator_emptyHostCache": lambda: None,
         "_accelerator_getMemoryInfo": lambda idx=None: torch.cuda.mem_get_info(index(idx)),
+        # the CUDA entry points torch.cuda's Python layer and PyTorch's test harness
+        # (common_utils.CudaNonDefaultStream) call directly
+        "_cuda_setStream": lambda stream_id=0, device_index=0, device_type=1: sched.set_stream(
+            _find_stream(sched, stream_id, device_index)),
+        "_cuda_setDevice": lambda idx: None if idx < 0 else sched.set_device(index(idx)),
+        "_cuda_getDevice": sched.current_device,
     }
     return top, c
+
+
+SIM_CUDA_VERSION = "12.8"  # torch.version.cuda while a simulator is open (on a CPU build)
+
+
+def _set_cuda_version() -> Callable[[], None]:
+    """A CPU build of torch has ``torch.version.cuda`` None, and code gates CUDA features
+    on it (PyTorch's tests skip every graph test without it): report a CUDA build while the
+    simulator is open. A CUDA or ROCm build keeps its own; returns the undo function."""
+    version = torch.version
+    if version.cuda is not None or getattr(version, "hip", None) is not None:
+        return lambda: None
+    version.cuda = SIM_CUDA_VERSION  # type: ignore[assignment]
+
+    def undo() -> None:
+        if version.cuda == SIM_CUDA_VERSION:
+            version.cuda = None  # type: ignore[assignment]
+
+    return undo
 
 
 def install(sim: SimState) -> Callable[[], None]:
@@ -651,10 +676,13 @@ def install(sim: SimState) -> Callable[[], None]:
 
     torch.Tensor.record_stream = record_stream  # type: ignore[method-assign,assignment]
 
+    undo_version = _set_cuda_version()
+
     def restore() -> None:
         restore_generators()
         if torch.Tensor.record_stream is record_stream:
             torch.Tensor.record_stream = real_record_stream  # type: ignore[method-assign]
+        undo_version()
         patches.restore()
 
     return restore
