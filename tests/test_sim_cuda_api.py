@@ -73,7 +73,8 @@ def test_errors_backend_and_raw_streams():
     with simulated_accelerator("lazy"):
         assert torch.cuda.get_allocator_backend() == "native"
         torch.cuda.check_error(0)  # cudaSuccess: nothing
-        with pytest.raises(torch.cuda.CudaError, match="cudaErrorMemoryAllocation"):
+        with pytest.raises(torch.cuda.CudaError,
+                           match=r"^out of memory \(cudaErrorMemoryAllocation, simulated\) \(2\)$"):
             torch.cuda.check_error(2)
         # PyTorch's test_external_streams makes a raw stream so
         cudart = torch.cuda.cudart()
@@ -180,3 +181,84 @@ def test_tensor_type_with_legacy_types_moves_as_torch_does():
         assert x.type(torch.float16).device.type == "cuda"
         assert x.type() == "torch.cuda.LongTensor" and host.type() == "torch.LongTensor"
         assert host.type(torch.float16).device.type == "cpu"
+
+
+# -- what PyTorch's test_cuda.py found next (the outside harness's failures) -----------------
+
+def test_out_of_memory_is_cudas_error_before_any_host_memory_is_taken():
+    """An allocation larger than the device fails with CUDA's message (PyTorch's
+    test_out_of_memory, test_graph_capture_oom), not the host allocator's, and leaves the
+    device usable."""
+    with simulated_accelerator("lazy"):
+        t = torch.zeros(1024, device="cuda")
+        with pytest.raises(torch.cuda.OutOfMemoryError,
+                           match=r"Tried to allocate 800000000\.00 GiB\. GPU 0 has a total "
+                                 r"capacity of 80\.00 GiB"):
+            torch.empty(1024 ** 3 * 800000000, dtype=torch.int8, device="cuda")
+        with pytest.raises(torch.cuda.OutOfMemoryError, match="more than 1EB memory"):
+            torch.empty(1024 ** 3 * 8000000000, dtype=torch.int8, device="cuda")
+        with pytest.raises(torch.cuda.OutOfMemoryError, match="out of memory"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                torch.zeros(2 ** 40, device="cuda")  # 4 TiB of float32
+        t.fill_(1)
+        assert bool((t == 1).all())
+        assert torch.cuda.memory_stats()["num_ooms"] == 3
+        big = torch.full((512, 1024), 3.0, device="cuda")  # (over a MiB: memory taken first)
+        assert big.sum().item() == 3.0 * 512 * 1024
+
+
+def test_small_apis_pytorch_tests_use():
+    with simulated_accelerator("lazy", device_count=2):
+        s = torch.cuda.Stream()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(s):
+            assert not s.is_capturing()
+            g.capture_begin()
+            assert s.is_capturing()
+            torch.ones(2, device="cuda").add_(1)
+            g.capture_end()
+        assert not s.is_capturing()
+        e = torch.cuda.Event()
+        assert e.event_id == 0 == e.cuda_event  # (no CUDA event until the first record)
+        e.record()
+        assert e.event_id != 0 and e.event_id == e.cuda_event
+        u0, u1 = (torch.cuda.get_device_properties(i).uuid for i in (0, 1))
+        assert len(str(u0)) == 36 and len(u0.bytes) == 16 and u0 != u1
+        torch.cuda.nvtx.range_push("step")
+        torch.cuda.nvtx.mark("here")
+        torch.cuda.nvtx.range_pop()
+        torch.cuda.nvtx.range_end(torch.cuda.nvtx.range_start("r"))
+        torch._C._cuda_clearCublasWorkspaces()
+        torch._C._host_emptyCache()
+        with pytest.raises(RuntimeError, match=r"Device index value 2 is out of index range"):
+            torch.accelerator.current_stream(2)
+        handle = torch.cuda.current_stream().cuda_stream
+        assert torch.cuda.get_stream_from_external(handle) is torch.cuda.current_stream()
+    with pytest.raises(RuntimeError, match="NVTX functions not installed"):
+        torch.cuda.nvtx.range_push("after")  # (torch's own stub again)
+
+
+def test_raw_allocations_and_accumulated_stats():
+    """caching_allocator_alloc/delete count in memory_allocated (PyTorch's
+    test_memory_allocation); reset_accumulated_memory_stats zeroes the running totals and
+    active.all.current counts the blocks in use."""
+    with simulated_accelerator("eager"):
+        prev = torch.cuda.memory_allocated()
+        ptr = torch.cuda.caching_allocator_alloc(1)
+        assert torch.cuda.memory_allocated() > prev
+        assert torch.cuda.memory_stats()["active.all.current"] == 1
+        torch.cuda.caching_allocator_delete(ptr)
+        assert torch.cuda.memory_allocated() == prev
+        with pytest.raises(ValueError, match="not an address"):
+            torch.cuda.caching_allocator_delete(ptr)
+        with pytest.raises(TypeError, match="stream argument"):
+            torch.cuda.caching_allocator_alloc(8, stream="s")
+        keep = torch.ones(4, device="cuda")
+        stats = torch.cuda.memory_stats()
+        assert stats["active.all.current"] == 1 == stats["allocation.all.current"]
+        assert (stats["allocation.all.allocated"], stats["allocation.all.freed"]) == (2, 1)
+        torch.cuda.reset_accumulated_memory_stats()
+        stats = torch.cuda.memory_stats()
+        assert (stats["allocation.all.allocated"], stats["allocation.all.freed"]) == (1, 0)
+        assert stats["allocation.all.current"] == 1 and stats["num_ooms"] == 0
+        del keep

@@ -235,18 +235,25 @@ class Allocator:
                     del pool[i]
                     stream.sched.races.reused(block.buf)
                     return self._use(block), False
-        if self.limit is not None and self.reserved + size > self.limit:
+        if size >= _ONE_EB:
+            self.counts["num_ooms"] += 1
+            raise torch.cuda.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate more than 1EB memory.")
+        limit = TOTAL if self.limit is None else self.limit  # (the device's memory)
+        if self.reserved + size > limit:
             self.counts["num_alloc_retries"] += 1
             self.empty_cache()
-            if self.reserved + size > self.limit:
+            if self.reserved + size > limit:
                 self.counts["num_ooms"] += 1
-                free = self.limit - self.reserved
+                free = limit - self.reserved
+                how = "simulated_accelerator(memory=...)" if self.limit is not None else \
+                    "the simulated device's default memory; simulated_accelerator(memory=...)"
                 raise torch.cuda.OutOfMemoryError(
-                    f"CUDA out of memory. Tried to allocate {_mib(size)}. GPU {self.index} "
-                    f"has a total capacity of {_mib(self.limit)} of which {_mib(free)} is "
-                    f"free. Of the allocated memory {_mib(self.allocated)} is allocated by "
-                    f"PyTorch, and {_mib(self.reserved - self.allocated)} is reserved by "
-                    "PyTorch but unallocated. (simulated: simulated_accelerator(memory=...))")
+                    f"CUDA out of memory. Tried to allocate {_bytes_text(size)}. GPU {self.index} "
+                    f"has a total capacity of {_bytes_text(limit)} of which {_bytes_text(free)} is "
+                    f"free. Of the allocated memory {_bytes_text(self.allocated)} is allocated by "
+                    f"PyTorch, and {_bytes_text(self.reserved - self.allocated)} is reserved by "
+                    f"PyTorch but unallocated. (simulated: {how} sets it)")
         block = _Block(torch.empty(size, dtype=torch.uint8, device="cpu"), size, stream,
                        private)
         self.reserved += size
@@ -272,11 +279,32 @@ class Allocator:
                 share = (cur, peak) if pool == "all" or big else (0, 0)
                 out[f"{key}.{pool}.current"] = share[0]
                 out[f"{key}.{pool}.peak"] = share[1]
-        out.update({f"{k}.all.current" if k in ("allocation", "segment") else k: v
-                    for k, v in self.counts.items()})
+        counts = self.counts
+        in_use = self.blocks_in_use()
+        segments = counts["segment"] - counts["segment_free"]
+        for key, cur, made, gone in (("allocation", in_use, counts["allocation"], counts["free"]),
+                                     ("active", in_use, counts["allocation"], counts["free"]),
+                                     ("segment", segments, counts["segment"],
+                                      counts["segment_free"])):
+            out[f"{key}.all.current"] = cur  # (now: blocks in use, segments reserved)
+            out[f"{key}.all.allocated"] = made  # (since the start or the last reset)
+            out[f"{key}.all.freed"] = gone
+        out["num_alloc_retries"] = counts["num_alloc_retries"]
+        out["num_ooms"] = counts["num_ooms"]
         out["num_device_alloc"] = self.counts["segment"]
         out["num_device_free"] = self.counts["segment_free"]
         return dict(sorted(out.items()))
+
+    def blocks_in_use(self) -> int:
+        return self.counts["allocation"] - self.counts["free"]
+
+    def reset_accumulated(self) -> None:
+        """``reset_accumulated_memory_stats``: the running totals start again from 0."""
+        self._collect()
+        counts = self.counts
+        counts["num_alloc_retries"] = counts["num_ooms"] = 0
+        counts["allocation"], counts["free"] = self.blocks_in_use(), 0
+        counts["segment"], counts["segment_free"] = counts["segment"] - counts["segment_free"], 0
 
     def reset_peak(self) -> None:
         self._collect()
@@ -310,8 +338,15 @@ def _size(block: _Block) -> int:
     return block.size
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"
+_ONE_EB = 2**60  # CUDA's caching allocator refuses any single request from here on
+
+
+def _bytes_text(n: int) -> str:
+    """A byte count as CUDA's out-of-memory message writes it (bytes, KiB, MiB or GiB)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} bytes"
 
 
 def cuda_names(allocators: list[Allocator], index_of: Any) -> dict[str, Any]:
@@ -390,5 +425,6 @@ def cuda_names(allocators: list[Allocator], index_of: Any) -> dict[str, Any]:
         "mem_get_info": lambda device=None: of(device).mem_get_info(),
         "reset_peak_memory_stats": reset,
         "reset_max_memory_allocated": reset,
+        "reset_accumulated_memory_stats": lambda device=None: of(device).reset_accumulated(),
         "empty_cache": empty_cache,
     }

@@ -61,7 +61,9 @@ SimStream.priority_range = staticmethod(_priority_range)  # type: ignore[attr-de
 SimStream.__cuda_stream__ = _cuda_stream_protocol  # type: ignore[attr-defined]
 SimStream._as_parameter_ = property(  # type: ignore[attr-defined]
     lambda self: ctypes.c_void_p(self.cuda_stream))
+SimStream.is_capturing = lambda self: self.capture is not None  # type: ignore[attr-defined]
 SimEvent.device = property(_event_device)  # type: ignore[attr-defined]
+SimEvent.event_id = property(_event_handle)  # type: ignore[attr-defined]
 SimEvent.cuda_event = property(_event_handle)  # type: ignore[attr-defined]
 SimEvent._as_parameter_ = property(  # type: ignore[attr-defined]
     lambda self: ctypes.c_void_p(_event_handle(self)))
@@ -71,16 +73,27 @@ SimEvent._as_parameter_ = property(  # type: ignore[attr-defined]
 # errors
 
 
-_ERROR_NAMES = {1: "cudaErrorInvalidValue", 2: "cudaErrorMemoryAllocation",
-                100: "cudaErrorNoDevice", 101: "cudaErrorInvalidDevice",
-                400: "cudaErrorInvalidResourceHandle", 700: "cudaErrorIllegalAddress",
-                713: "cudaErrorHostMemoryNotRegistered", 801: "cudaErrorNotSupported",
-                900: "cudaErrorStreamCaptureUnsupported"}
+_ERRORS = {  # code: (name, CUDA's description: what cudaGetErrorString gives)
+    1: ("cudaErrorInvalidValue", "invalid argument"),
+    2: ("cudaErrorMemoryAllocation", "out of memory"),
+    100: ("cudaErrorNoDevice", "no CUDA-capable device is detected"),
+    101: ("cudaErrorInvalidDevice", "invalid device ordinal"),
+    400: ("cudaErrorInvalidResourceHandle", "invalid resource handle"),
+    700: ("cudaErrorIllegalAddress", "an illegal memory access was encountered"),
+    713: ("cudaErrorHostMemoryNotRegistered",
+          "pointer does not correspond to a registered memory region"),
+    801: ("cudaErrorNotSupported", "operation not supported"),
+    900: ("cudaErrorStreamCaptureUnsupported",
+          "operation not permitted when stream is capturing"),
+}
 
 
 def error_string(code: int) -> str:
-    name = _ERROR_NAMES.get(int(code))
-    return f"{name} (simulated error {code})" if name else f"simulated CUDA error {code}"
+    """CUDA's description of an error code (``cudaGetErrorString``), naming the code."""
+    known = _ERRORS.get(int(code))
+    if known is None:
+        return f"unknown error (simulated CUDA error {code})"
+    return f"{known[1]} ({known[0]}, simulated)"
 
 
 def check_error(res: int) -> None:
@@ -252,13 +265,93 @@ def _comm(sim: SimState) -> dict[str, Any]:
 def names(sim: SimState, cudart: CudaRt) -> dict[Any, dict[str, Any]]:
     """The stand-ins, per namespace to patch."""
     import torch.cuda.comm
+    import torch.cuda.nvtx
     import torch.nn.parallel.comm
 
     comm = _comm(sim)
+    raw = _raw_allocations(sim)
     cuda = {
         "get_allocator_backend": lambda: "native",
         "check_error": check_error,
         "ExternalStream": cudart.external,
+        "get_stream_from_external": cudart.external,
+        **raw,
         **_legacy_types(),
     }
-    return {torch.cuda: cuda, torch.cuda.comm: comm, torch.nn.parallel.comm: comm}
+    c = {  # entry points torch.cuda's Python layer and PyTorch's test harness call directly
+        "_cuda_clearCublasWorkspaces": lambda: None,  # (no cuBLAS workspaces are simulated)
+        "_host_emptyCache": lambda: None,  # (pinned memory is the host's: nothing cached)
+        "_cuda_getStreamFromExternal": lambda ptr, device_index=None: cudart.external(ptr),
+    }
+    return {torch.cuda: cuda, torch.cuda.comm: comm, torch.nn.parallel.comm: comm,
+            torch._C: c, torch.cuda.nvtx: {"_nvtx": _NVTX}}
+
+
+class _NoNvtx:
+    """NVTX ranges and marks on a simulated device: accepted, and nothing to show them."""
+
+    __module__ = "pinstage._sim"
+
+    @staticmethod
+    def rangePushA(msg: str) -> int:  # noqa: N802 - (NVTX's own names)
+        return 0
+
+    @staticmethod
+    def rangePop() -> int:  # noqa: N802
+        return 0
+
+    @staticmethod
+    def rangeStartA(msg: str) -> int:  # noqa: N802
+        return 1
+
+    @staticmethod
+    def rangeEnd(handle: int) -> None:  # noqa: N802
+        return None
+
+    @staticmethod
+    def markA(msg: str) -> None:  # noqa: N802
+        return None
+
+    @staticmethod
+    def deviceRangeStart(msg: str, stream: int = 0) -> int:  # noqa: N802
+        return 1
+
+    @staticmethod
+    def deviceRangeEnd(handle: int, stream: int = 0) -> None:  # noqa: N802
+        return None
+
+
+_NVTX = _NoNvtx()
+
+
+def _raw_allocations(sim: SimState) -> dict[str, Any]:
+    """``caching_allocator_alloc``/``caching_allocator_delete``: raw device memory from the
+    simulated allocator, as an address, on a stream (the current one by default)."""
+    sched = sim.sched
+    held: dict[int, torch.Tensor] = {}
+
+    def alloc(size: int, device: Any = None, stream: Any = None) -> int:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise TypeError(f"caching_allocator_alloc() expects a size in bytes, got {size!r}")
+        index = sched.device_index(device)
+        if stream is None:
+            stream = sched.current_stream(index)
+        elif not isinstance(stream, SimStream):
+            raise TypeError("Invalid type for stream argument, must be `torch.cuda.Stream` or "
+                            f"`int` representing a pointer to an existing stream, got {stream!r}")
+        prev = sched.current_stream(index)
+        sched.set_stream(stream)
+        try:
+            t = empty_device(sim, (max(size, 1),), torch.uint8, index)
+        finally:
+            sched.set_stream(prev)
+        ptr = t.data_ptr()
+        held[ptr] = t
+        return ptr
+
+    def delete(mem_ptr: int) -> None:
+        if held.pop(int(mem_ptr), None) is None:
+            raise ValueError(f"caching_allocator_delete(): {mem_ptr!r} is not an address "
+                             "caching_allocator_alloc gave on the simulated devices")
+
+    return {"caching_allocator_alloc": alloc, "caching_allocator_delete": delete}

@@ -557,19 +557,45 @@ def _factory(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any
         else:
             args, kw = pytree.tree_map(lambda x: _to(x, "cpu") if is_device(x) else x,
                                        (args, kw))
+    memory = _device_memory_first(sim, func, args, kw, index)
     out = func(*args, **kw)
     if not isinstance(out, torch.Tensor):
         return out
     return _device_result(sim, out, index, empty=name.startswith("empty") or
-                          name == "new_empty")
+                          name == "new_empty", memory=memory)
 
 
-def _device_result(sim: SimState, values: torch.Tensor, index: int,
-                   empty: bool) -> SimTensor:
+def _device_memory_first(sim: SimState, func: Any, args: Any, kw: dict[str, Any],
+                         index: int) -> tuple[torch.Tensor, Any] | None:
+    """The device memory of a factory's result, taken before its values are made on the
+    host: a request larger than the device fails with CUDA's out-of-memory error (not the
+    host allocator's, or a host that runs out first). Only for results over a MiB (shapes
+    from the meta device cost a few microseconds)."""
+    n = 1
+    for a in pytree.tree_leaves(args):
+        if type(a) is int and a > 1:
+            n *= a
+    if n < 2**18:
+        return None  # (a small result, or a shape given otherwise: allocated after)
+    try:
+        meta = func(*args, **dict(kw, device="meta"))
+    except Exception:  # noqa: BLE001 - (no meta kernel: allocated after, as before)
+        return None
+    if not isinstance(meta, torch.Tensor):
+        return None
+    return sim.device_empty(meta.shape, meta.stride(), meta.dtype, index)  # type: ignore[no-any-return]
+
+
+def _device_result(sim: SimState, values: torch.Tensor, index: int, empty: bool,
+                   memory: tuple[torch.Tensor, Any] | None = None) -> SimTensor:
     """A factory's result on simulated device ``index``. Only ``empty`` is free: the values
     of ``zeros``/``arange``/``randn``... are written by a kernel on the current stream
     (captured in a graph, ordered against other streams), so until it runs they are poison."""
-    inner, block = sim.device_empty(values.shape, values.stride(), values.dtype, index)
+    if memory is not None and memory[0].shape == values.shape and \
+            memory[0].dtype == values.dtype and memory[0].stride() == values.stride():
+        inner, block = memory
+    else:
+        inner, block = sim.device_empty(values.shape, values.stride(), values.dtype, index)
     if empty:
         return SimTensor(inner, torch.device("cuda", index), None, block)
     sim.sched.enqueue(sim.sched.current_stream(index), Op(

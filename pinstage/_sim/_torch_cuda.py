@@ -513,6 +513,10 @@ def _torch_level_names(sim: SimState) -> tuple[dict[str, Any], dict[str, Any]]:
     SimTorchEvent.__name__ = SimTorchEvent.__qualname__ = "Event"
 
     def index(device: Any) -> int:
+        if isinstance(device, int) and not isinstance(device, bool) and \
+                not -1 <= device < sim.device_count:
+            raise RuntimeError(f"Device index value {device} is out of index range "
+                               f"[0, {sim.device_count})")
         return sched.device_index(None if device is None or device == -1 else device)
 
     def exchange(idx: int) -> int:
@@ -606,10 +610,12 @@ def install(sim: SimState) -> Callable[[], None]:
         sched.sync_debug_mode = modes[mode] if isinstance(mode, str) else int(mode)
 
     def get_device_properties(device: Any = None) -> Any:
+        import uuid
         from types import SimpleNamespace
 
         index = sched.device_index(device)
-        return SimpleNamespace(name=driver.device_name(index), major=9, minor=0,
+        return SimpleNamespace(uuid=uuid.UUID(int=0x5105_0000 + index, version=4),
+                               name=driver.device_name(index), major=9, minor=0,
                                total_memory=80 * 2**30, multi_processor_count=132,
                                is_integrated=False)
 
