@@ -261,4 +261,10 @@ def test_raw_allocations_and_accumulated_stats():
         stats = torch.cuda.memory_stats()
         assert (stats["allocation.all.allocated"], stats["allocation.all.freed"]) == (1, 0)
         assert stats["allocation.all.current"] == 1 and stats["num_ooms"] == 0
+        assert stats["active_bytes.all.freed"] == 0  # (1 block of 16 bytes held, rounded)
+        held = stats["active_bytes.all.current"]
+        assert stats["active_bytes.all.allocated"] == held > 0
         del keep
+        stats = torch.cuda.memory_stats()
+        assert stats["active_bytes.all.current"] == 0
+        assert stats["active_bytes.all.freed"] == held == stats["allocated_bytes.all.freed"]

@@ -434,7 +434,7 @@ def test_a_thread_pool_outlives_one_simulator():
 # PyTorch stand-ins for Triton kernels ---------------------------------------------------------
 
 def test_generic_accelerator_api_answers_for_the_simulated_devices():
-    real_stream, real_event = torch.Stream, torch.Event
+    real_stream, real_event, real_graph = torch.Stream, torch.Event, torch.accelerator.Graph
     assert not torch.accelerator.is_available()
     with simulated_accelerator(mode="lazy", device_count=2) as sim:
         acc = torch.accelerator
@@ -462,12 +462,25 @@ def test_generic_accelerator_api_answers_for_the_simulated_devices():
         assert sim.pending == 0 and x.tolist() == [6.0, 6.0, 6.0]
         acc.set_stream(torch.cuda.default_stream())
         free, total = acc.get_memory_info(0)
-        assert 0 < free <= total and acc.memory_allocated(0) == 0
+        assert 0 < free <= total
+        assert acc.memory_allocated(0) == torch.cuda.memory_allocated(0) > 0  # (x: 3 floats)
+        assert acc.memory_stats(0)["active.all.current"] == 1
+        assert acc.max_memory_allocated(0) >= acc.memory_allocated(0)
+        acc.reset_peak_memory_stats(0)
+        assert acc.max_memory_allocated(0) == acc.memory_allocated(0)
+        s2, g = torch.Stream(), acc.Graph()
+        with s2, g:  # (torch.accelerator.Graph captures the current stream)
+            assert s2.is_capturing()
+            y = x * 2
+        assert not s2.is_capturing()
+        g.replay()
+        assert y.tolist() == [12.0] * 3
         acc.empty_cache()
         assert acc.get_device_capability(0) == {"major": 9, "minor": 0}
         # the host-side classes still build CPU streams/events
         assert type(torch.Event(device="cpu")) is real_event
     assert torch.Stream is real_stream and torch.Event is real_event
+    assert torch.accelerator.Graph is real_graph
     assert not torch.accelerator.is_available() and torch.accelerator.device_count() == 0
 
 

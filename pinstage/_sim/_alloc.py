@@ -86,7 +86,8 @@ class Allocator:
         self.allocated = self.reserved = 0
         self.peak_allocated = self.peak_reserved = 0
         self.counts = {"allocation": 0, "free": 0, "num_alloc_retries": 0, "num_ooms": 0,
-                       "segment": 0, "segment_free": 0}
+                       "segment": 0, "segment_free": 0, "allocated_total": 0,
+                       "reserved_total": 0}  # (the totals: bytes ever allocated, reserved)
         # private pools (graphs', MemPools'): id -> free blocks by size, id -> users (graphs
         # captured into it, live MemPool objects, open use_mem_pool blocks)
         self.private: dict[Any, list[_Block]] = {}
@@ -257,12 +258,14 @@ class Allocator:
         block = _Block(torch.empty(size, dtype=torch.uint8, device="cpu"), size, stream,
                        private)
         self.reserved += size
+        self.counts["reserved_total"] += size
         self.counts["segment"] += 1
         self.peak_reserved = max(self.peak_reserved, self.reserved)
         return self._use(block), True
 
     def _use(self, block: _Block) -> _Block:
         self.allocated += block.size
+        self.counts["allocated_total"] += block.size
         self.counts["allocation"] += 1
         self.peak_allocated = max(self.peak_allocated, self.allocated)
         return block
@@ -271,15 +274,19 @@ class Allocator:
     def stats(self) -> dict[str, Any]:
         self._collect()
         out: dict[str, Any] = {}
-        for key, cur, peak in (("allocated_bytes", self.allocated, self.peak_allocated),
-                               ("reserved_bytes", self.reserved, self.peak_reserved),
-                               ("active_bytes", self.allocated, self.peak_allocated)):
+        counts = self.counts
+        for key, cur, peak, total in (
+                ("allocated_bytes", self.allocated, self.peak_allocated,
+                 counts["allocated_total"]),
+                ("reserved_bytes", self.reserved, self.peak_reserved, counts["reserved_total"]),
+                ("active_bytes", self.allocated, self.peak_allocated, counts["allocated_total"])):
             for pool in ("all", "small_pool", "large_pool"):
                 big = pool == "large_pool"
-                share = (cur, peak) if pool == "all" or big else (0, 0)
+                share = (cur, peak, total) if pool == "all" or big else (0, 0, 0)
                 out[f"{key}.{pool}.current"] = share[0]
                 out[f"{key}.{pool}.peak"] = share[1]
-        counts = self.counts
+                out[f"{key}.{pool}.allocated"] = share[2]
+                out[f"{key}.{pool}.freed"] = share[2] - share[0]
         in_use = self.blocks_in_use()
         segments = counts["segment"] - counts["segment_free"]
         for key, cur, made, gone in (("allocation", in_use, counts["allocation"], counts["free"]),
@@ -305,6 +312,7 @@ class Allocator:
         counts["num_alloc_retries"] = counts["num_ooms"] = 0
         counts["allocation"], counts["free"] = self.blocks_in_use(), 0
         counts["segment"], counts["segment_free"] = counts["segment"] - counts["segment_free"], 0
+        counts["allocated_total"], counts["reserved_total"] = self.allocated, self.reserved
 
     def reset_peak(self) -> None:
         self._collect()

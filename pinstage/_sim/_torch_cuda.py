@@ -266,6 +266,33 @@ class graph:
         self.stream_ctx.__exit__(*exc)
 
 
+class AcceleratorGraph(SimGraph):
+    """``torch.accelerator.Graph``: a :class:`SimGraph` that keeps its pool and capture mode
+    from construction and captures the current stream as a context manager."""
+
+    def __init__(self, keep_graph: bool = False, *, pool: Any = None,
+                 capture_error_mode: str = "default") -> None:
+        super().__init__(keep_graph)
+        self.graph_pool = pool
+        self.capture_error_mode = capture_error_mode
+
+    def capture_begin(self, pool: Any = None, capture_error_mode: str | None = None) -> None:
+        mode = capture_error_mode or self.capture_error_mode
+        super().capture_begin(self.graph_pool if pool is None else pool,
+                              "global" if mode == "default" else mode)
+
+    def __enter__(self) -> None:
+        _sim().synchronize()
+        self.capture_begin()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._failed = exc[0] is not None  # (a block that raised: no empty-graph warning)
+        try:
+            self.capture_end()
+        finally:
+            self._failed = False
+
+
 class _Cudart:
     """``torch.cuda.cudart()``: the few runtime calls engine code makes directly."""
 
@@ -542,10 +569,15 @@ def _torch_level_names(sim: SimState) -> tuple[dict[str, Any], dict[str, Any]]:
         "_accelerator_setStream": set_stream,
         "_accelerator_synchronizeDevice": lambda idx=None: sched.synchronize(index(idx)),
         "_accelerator_getDeviceCapability": lambda idx=None: {"major": 9, "minor": 0},
-        # torch.accelerator.memory: no caching-allocator stats of torch's own to report (the
-        # simulator's memory figures are torch.cuda's), the device's free/total memory
-        "_accelerator_isAllocatorInitialized": lambda: False,
+        # torch.accelerator.memory: the simulated caching allocator's figures (torch.cuda's)
+        "_accelerator_isAllocatorInitialized": lambda: True,
         "_accelerator_emptyHostCache": lambda: None,
+        "_accelerator_emptyCache": lambda: torch.cuda.empty_cache(),
+        "_accelerator_getDeviceStats": lambda idx=None: torch.cuda.memory_stats(index(idx)),
+        "_accelerator_resetAccumulatedStats":
+            lambda idx=None: torch.cuda.reset_accumulated_memory_stats(index(idx)),
+        "_accelerator_resetPeakStats":
+            lambda idx=None: torch.cuda.reset_peak_memory_stats(index(idx)),
         "_accelerator_getMemoryInfo": lambda idx=None: torch.cuda.mem_get_info(index(idx)),
         # the CUDA entry points torch.cuda's Python layer and PyTorch's test harness
         # (common_utils.CudaNonDefaultStream) call directly
@@ -671,6 +703,7 @@ def install(sim: SimState) -> Callable[[], None]:
         patches.install(namespace, extra)
     restore_generators = _rng_install(sim)
     patches.install(torch, top)
+    patches.install(torch.accelerator, {"Graph": AcceleratorGraph})
     patches.install(torch._C, c_names)
     # Tensor.record_stream parses its argument as a C++ stream before any Python override.
     real_record_stream = torch.Tensor.record_stream
