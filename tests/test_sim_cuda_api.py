@@ -60,6 +60,19 @@ def test_graph_instantiate_keep_graph_and_empty_warning():
             z = x + 1
         lazy.replay()
         assert z.tolist() == [1.0, 2.0, 3.0, 4.0]
+        with pytest.raises(NotImplementedError, match="not a cudaGraph_t"):
+            lazy.raw_cuda_graph()
+        plain = torch.cuda.CUDAGraph()  # keep_graph=False: capture_end instantiates it
+        with torch.cuda.graph(plain):
+            w = x - 1
+        with pytest.raises(RuntimeError, match=r"instantiate\(\) is intended to be called by "
+                                               r"the user only when keep_graph=true"):
+            plain.instantiate()
+        with pytest.raises(RuntimeError, match="unless CUDAGraph was initialized with "
+                                               "keep_graph=true"):
+            plain.raw_cuda_graph()
+        plain.replay()
+        assert w.tolist() == [-1.0, 0.0, 1.0, 2.0]
         with pytest.warns(UserWarning, match="The CUDA Graph is empty"):
             with torch.cuda.graph(torch.cuda.CUDAGraph()):
                 pass
@@ -268,3 +281,20 @@ def test_raw_allocations_and_accumulated_stats():
         stats = torch.cuda.memory_stats()
         assert stats["active_bytes.all.current"] == 0
         assert stats["active_bytes.all.freed"] == held == stats["allocated_bytes.all.freed"]
+
+
+def test_reseeding_during_a_capture_must_keep_the_seed():
+    """CUDA's generator refuses a new seed while its stream captures (the kernels captured
+    took the old one): PyTorch's test_graph_manual_seed_mismatch_raises. The same seed is
+    accepted."""
+    with simulated_accelerator("lazy"):
+        torch.cuda.manual_seed(0)
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            torch.cuda.manual_seed(0)
+            torch.rand(2, device="cuda")
+        with pytest.raises(RuntimeError, match="set_current_seed can be called during stream "
+                                               "capture only if new seed is the same"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                torch.cuda.manual_seed(1)
+        torch.cuda.manual_seed(1)  # (outside a capture: fine)
+        assert torch.cuda.initial_seed() == 1

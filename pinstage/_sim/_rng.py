@@ -104,6 +104,12 @@ class SimGenerator(_RealGenerator):
                 seed = int(seed)
             except (TypeError, ValueError):
                 raise TypeError(f"manual_seed expected an int seed, got {seed!r}") from None
+        sim = current()
+        if sim is not None and seed & _MASK64 != self._seed and \
+                sim.sched.current_stream(self._index).capture is not None:
+            raise RuntimeError(  # (CUDA's generator refuses it: the graph's kernels took seeds)
+                "CUDAGeneratorImpl::set_current_seed can be called during stream capture only "
+                "if new seed is the same as the original seed. (simulated)")
         self._seed, self._offset = seed & _MASK64, 0
         return self
 

@@ -190,10 +190,20 @@ class SimGraph:
     def instantiate(self) -> None:
         """Make the captured graph replayable: ``capture_end`` does it unless the graph was
         made with ``keep_graph=True``, in which case ``replay`` does it the first time."""
+        if not self._keep_graph:
+            raise RuntimeError("instantiate() is intended to be called by the user only when "
+                               "keep_graph=true (capture_end instantiated this graph)")
         if not getattr(self, "_ended", False):
             raise RuntimeError("CUDAGraph.instantiate() needs a finished capture: call "
                                "capture_end() first")
         self._instantiated = True
+
+    def raw_cuda_graph(self) -> int:
+        if not self._keep_graph:
+            raise RuntimeError("You cannot access the raw cudaGraph_t instance unless "
+                               "CUDAGraph was initialized with keep_graph=true")
+        raise NotImplementedError("the simulated CUDA records device work, not a cudaGraph_t: "
+                                  "there is no raw graph to hand to CUDA's own API")
 
     def replay(self) -> None:
         if not self._captured:
