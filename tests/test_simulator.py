@@ -688,3 +688,40 @@ def test_tensor_new_stays_on_the_simulated_device():
         assert (sized.shape, size_obj.shape, empty.shape) == ((3,), (2, 2), (0,))
         assert data.tolist() == [1.0, 2.0, 3.0]
         assert x.new(x) is x
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy", "random"])
+def test_a_spin_kernel_keeps_its_stream_busy_in_every_mode(mode):
+    """PyTorch's tests queue torch.cuda._sleep and expect the stream, its events and what
+    waits for it to be unfinished until the host waits (eager mode ran it at once, so
+    query() was True right after a 50 ms spin). Work behind the spin, and work on another
+    stream that waits for it, waits too; other streams run as the mode says."""
+    with simulated_accelerator(mode, seed=5) as sim:
+        s, other, free = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
+        x = torch.zeros(4, device="cuda")
+        torch.cuda.synchronize()
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(50_000_000)  # 50 ms
+            x.add_(1)
+            e = torch.cuda.Event()
+            e.record()
+        other.wait_event(e)
+        with torch.cuda.stream(other):
+            y = x * 2
+        with torch.cuda.stream(free):
+            z = torch.ones(2, device="cuda") + 1
+        for _ in range(5):
+            assert not s.query() and not e.query() and not other.query()
+        assert sim.pending >= 4  # the spin, the add, the wait, the multiply
+        free.synchronize()
+        assert z.tolist() == [2.0, 2.0]
+        e.synchronize()  # the host waits: the spin and what is behind it run
+        assert s.query() and x.tolist() == [1.0] * 4
+        other.synchronize()  # (reading y before that is a race the detector names)
+        assert y.tolist() == [2.0] * 4
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(10_000_000)
+        for _ in range(100):  # polling: a device gets there eventually
+            if s.query():
+                break
+        assert s.query()

@@ -36,6 +36,11 @@ CAPTURE_MODES = ("global", "thread_local", "relaxed")
 BAD_FORK = ("Cannot re-initialize CUDA in forked subprocess. To use CUDA with "
             "multiprocessing, you must use the 'spawn' start method")
 SYNC_MESSAGE = "called a synchronizing CUDA operation"
+# A spin kernel (torch.cuda._sleep: at least SPIN_MS of simulated time) keeps its stream busy
+# in every mode: eager and random mode run it, and what is queued behind it or waits for it,
+# only when the host waits for it (or has polled it enough), as a device busy for that long
+# would. Short ops run as the mode says.
+SPIN_MS = 1.0
 POLLS_BEFORE_PROGRESS = 16  # query() calls on unfinished work before the device "catches up"
 
 
@@ -438,7 +443,9 @@ class Scheduler:
             stream.t += op.ms
             stream.queue.append(op)
             if self.mode == "eager":
-                self.run_until(stream, op.seq)
+                if op.ms < SPIN_MS and len(stream.queue) == 1 and \
+                        all(d.done >= q for d, q in op.deps):
+                    self.run_until(stream, op.seq)  # (else: behind a spin kernel, queued)
             elif self.mode == "random":
                 self.maybe_progress()
 
@@ -453,7 +460,7 @@ class Scheduler:
                 return  # a device usually runs behind the host: often nothing moves
             steps = int(self.rng.integers(1, pending + 1))
             for _ in range(steps):
-                ready = [s for s in streams if s.queue and all(
+                ready = [s for s in streams if s.queue and s.queue[0].ms < SPIN_MS and all(
                     d.done >= q for d, q in s.queue[0].deps)]
                 if not ready:
                     return
