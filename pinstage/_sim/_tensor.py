@@ -564,6 +564,11 @@ class SimFunctionMode(TorchFunctionMode):
             return _factory(sim, func, args, kwargs)
         if kwargs.get("pin_memory"):
             return _pinned_factory(sim, func, args, kwargs)
+        if types and all(t is SimTensor for t in types):
+            # what ``func(...)`` would do next, without going back through torch to find
+            # SimTensor.__torch_function__ (most of the cost of a small simulated op is such
+            # round trips)
+            return _torch_function(func, args, kwargs)
         return func(*args, **kwargs)
 
 
@@ -576,12 +581,23 @@ class SimDispatchMode(TorchDispatchMode):
         super().__init__()
         self.sim = sim
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # (torch wraps a mode's __torch_dispatch__ in torch._dynamo.disable otherwise, which
+        # costs every op, simulated or not, several microseconds; nothing here is compiled)
+        return False
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         device = kwargs.get("device")
+        if device is None:
+            if types and all(t is SimTensor or t is Proxy for t in types):
+                # what ``func(...)`` would do next: the simulated tensors' own dispatch
+                return _torch_dispatch(func, args, kwargs)
+            return func(*args, **kwargs)
         sim = current()
-        if device is not None and sim is not None and _is_cuda(device) and \
+        if sim is not None and _is_cuda(device) and \
                 not any(is_device(x) for x in args):
             index = sim.sched.device_index(device)
             kw = dict(kwargs)
@@ -592,6 +608,8 @@ class SimDispatchMode(TorchDispatchMode):
                 return _device_result(sim, out, index,
                                       empty=func.overloadpacket in _EMPTY_OPS)
             return out
+        if types and all(t is SimTensor or t is Proxy for t in types):
+            return _torch_dispatch(func, args, kwargs)
         return func(*args, **kwargs)
 
 
