@@ -32,6 +32,7 @@ from ._tensor import (
     empty_device,
     inner_of,
     is_device,
+    map_out,
     register_default,
     register_op,
     wrap,
@@ -43,13 +44,14 @@ aten = torch.ops.aten
 
 
 def _view(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    flat, spec = pytree.tree_flatten((args, kwargs))
+    flat, spec = _flatten(args, kwargs)
     device, proxy = devices_of(flat, allow_cpu=True)
-    base = next(x for x in flat if is_device(x))
-    a, k = pytree.tree_unflatten([inner_of(x) for x in flat], spec)
+    base = next(x for x in flat if isinstance(x, _DEV))
+    a, k = _unflatten([x._inner if isinstance(x, _DEV) else x for x in flat], spec)
     out = func(*a, **k)
-    return pytree.tree_map_only(torch.Tensor,
-                                lambda t: wrap(t, device, base._host, proxy, base._block), out)
+    host, block = base._host, base._block
+    return map_out(lambda t: wrap(t, device, host, proxy, block)
+                   if isinstance(t, torch.Tensor) else t, out)
 
 
 def _meta(x: Any) -> Any:
@@ -141,7 +143,7 @@ def _assemble(func: Any, args: Any, kwargs: dict[str, Any], out: Any,
     return pytree.tree_map_only(torch.Tensor, lambda t: make(next(counter), t), out)
 
 
-_SEQ = (list, tuple)
+_SEQ = (list, tuple, torch.Size)
 
 
 def _flatten(args: Any, kwargs: dict[str, Any]) -> tuple[list[Any], Any]:

@@ -32,7 +32,7 @@ from ._sched import Op
 __all__ = ["SimDispatchMode", "SimFunctionMode", "SimTensor", "OPS", "register_op",
            "register_default", "enter_modes", "spread_to_new_threads", "stop_spreading",
            "is_device", "wrap", "inner_of", "empty_device", "to", "devices_of", "Proxy",
-           "from_proxy"]
+           "from_proxy", "map_args", "map_out"]
 
 aten = torch.ops.aten
 _T = torch.Tensor
@@ -92,6 +92,7 @@ class SimTensor(torch.Tensor):
     _host: Any  # the pinned host memory this aliases (a UVA view), else None
     _sim_device: torch.device
     _block: Any
+    _proxy: Proxy  # this tensor seen as ``cpu``, once made (``_to_proxy``)
 
     @staticmethod
     def __new__(cls, inner: torch.Tensor, device: torch.device, host: Any = None,
@@ -153,8 +154,13 @@ def wrap(inner: torch.Tensor, device: torch.device, host: Any = None,
 
 
 def _to_proxy(x: Any) -> Any:
-    return Proxy(x._inner, x._sim_device, x._host, x._block) if isinstance(x, SimTensor) \
-        else x
+    """``x`` seen as ``cpu`` (made once per tensor: the same memory and metadata)."""
+    if not isinstance(x, SimTensor):
+        return x
+    p = x.__dict__.get("_proxy")
+    if p is None:  # (it references nothing that references x: no cycle to collect)
+        p = x._proxy = Proxy(x._inner, x._sim_device, x._host, x._block)
+    return p
 
 
 def _from_proxy(x: Any) -> Any:
@@ -188,10 +194,57 @@ def _torch_function(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
             if "not linked with support for cuda" not in str(exc):
                 raise
             _VIA_PROXY.add(func)
-    args, kwargs = pytree.tree_map(_to_proxy, (args, kwargs))
+    orig = args
+    args, kwargs = map_args(_to_proxy, args, kwargs)
     with torch._C.DisableTorchFunctionSubclass():
         out = func(*args, **kwargs)
-    return pytree.tree_map(_from_proxy, out)
+    if isinstance(out, Proxy):  # an in-place method returns its tensor itself
+        for a, p in zip(orig, args):
+            if p is out and a is not p:
+                return a
+    return map_out(_from_proxy, out)
+
+
+_SEQ = (list, tuple, torch.Size)
+
+
+def map_args(fn: Callable[[Any], Any], args: Any, kwargs: dict[str, Any]
+             ) -> tuple[Any, dict[str, Any]]:
+    """``pytree.tree_map(fn, (args, kwargs))`` for what torch's functions take (leaves, and
+    lists/tuples of leaves), without pytree's cost; anything nested deeper goes to pytree."""
+    out = []
+    for a in args:
+        if type(a) in _SEQ:
+            if any(isinstance(y, (list, tuple, dict)) for y in a):
+                return pytree.tree_map(fn, (args, kwargs))  # type: ignore[no-any-return]
+            out.append(type(a)(fn(y) for y in a))
+        elif isinstance(a, (list, tuple, dict)):
+            return pytree.tree_map(fn, (args, kwargs))  # type: ignore[no-any-return]
+        else:
+            out.append(fn(a))
+    if not kwargs:
+        return tuple(out), {}
+    kw = {}
+    for k, a in kwargs.items():
+        if type(a) in _SEQ:
+            if any(isinstance(y, (list, tuple, dict)) for y in a):
+                return pytree.tree_map(fn, (args, kwargs))  # type: ignore[no-any-return]
+            kw[k] = type(a)(fn(y) for y in a)
+        elif isinstance(a, (list, tuple, dict)):
+            return pytree.tree_map(fn, (args, kwargs))  # type: ignore[no-any-return]
+        else:
+            kw[k] = fn(a)
+    return tuple(out), kw
+
+
+def map_out(fn: Callable[[Any], Any], out: Any) -> Any:
+    """``pytree.tree_map(fn, out)`` for an op's result: a tensor, or a list/tuple of them
+    (``split``, ``unbind``), else pytree."""
+    if isinstance(out, torch.Tensor):
+        return fn(out)
+    if type(out) in _SEQ and all(isinstance(o, torch.Tensor) for o in out):
+        return type(out)(fn(o) for o in out)
+    return pytree.tree_map(fn, out)
 
 
 def _item(self: torch.Tensor) -> Any:
