@@ -73,11 +73,15 @@ class _Plan:
     """What ``func``'s schema says, worked out once per overload: which arguments it writes
     and which argument each return aliases (in-place / out=)."""
 
-    __slots__ = ("name", "rets", "writes")
+    __slots__ = ("cpu_ok", "func", "name", "packet", "rets", "scatter", "writes")
 
     def __init__(self, func: Any) -> None:
         schema = func._schema
-        self.name: str = func.overloadpacket.__name__
+        self.func = func  # (held: the plans are keyed by its id)
+        self.packet = packet = func.overloadpacket
+        self.name: str = packet.__name__
+        self.cpu_ok = packet in _CPU_OK
+        self.scatter = packet in _SCATTERS
         params = list(enumerate(schema.arguments))
         self.writes = tuple((j, a.name) for j, a in params
                             if a.alias_info is not None and a.alias_info.is_write)
@@ -93,13 +97,15 @@ class _Plan:
         self.rets = tuple(rets)
 
 
-_PLANS: dict[Any, _Plan] = {}
+# id(OpOverload) -> its plan: torch's OpOverload objects are made once per overload, and
+# hashing one calls a Python __hash__ (keyed by the object, every lookup cost a Python call)
+_PLANS: dict[int, _Plan] = {}
 
 
 def _plan(func: Any) -> _Plan:
-    plan = _PLANS.get(func)
+    plan = _PLANS.get(id(func))
     if plan is None:
-        plan = _PLANS[func] = _Plan(func)
+        plan = _PLANS[id(func)] = _Plan(func)
     return plan
 
 
@@ -165,6 +171,8 @@ def _flatten(args: Any, kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
             shape.append(None)
             flat.append(a)
     if not kwargs:
+        if all(x is None for x in shape):  # (no list among them)
+            return flat, _SIMPLE
         return flat, ("flat", tuple(shape), ())
     keys: list[Any] = []
     for k, a in kwargs.items():
@@ -187,7 +195,12 @@ def _tree_flatten(args: Any, kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
     return flat, ("tree", spec)
 
 
+_SIMPLE = ("simple",)  # _flatten's spec of positional leaves only
+
+
 def _unflatten(flat: list[Any], spec: Any) -> tuple[Any, dict[str, Any]]:
+    if spec is _SIMPLE:
+        return tuple(flat), {}
     if spec[0] == "tree":
         return pytree.tree_unflatten(flat, spec[1])  # type: ignore[no-any-return]
     _, shape, keys = spec
@@ -216,15 +229,15 @@ _LABELS: dict[tuple[str, torch.device], str] = {}
 
 
 def _deferred(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    packet = func.overloadpacket
+    plan = _PLANS.get(id(func)) or _plan(func)
     flat, spec = _flatten(args, kwargs)
-    allow_cpu = packet in _CPU_OK
+    allow_cpu = plan.cpu_ok
     # one pass over the arguments: their device, the shape cache's key, what the queued
     # kernel gets (device tensors' memory; CPU tensors by value), the memory it reads
     device: Any = None
     proxy = False
     cacheable = True
-    parts: list[Any] = [func, spec]
+    parts: list[Any] = [id(func), spec]  # (the plan holds func: its id stays its own)
     inner_flat: list[Any] = []
     dev_reads: list[torch.Tensor] = []
     uva: list[Any] = []
@@ -238,7 +251,7 @@ def _deferred(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> An
             if type(x) is Proxy:
                 proxy = True
             inner = x._inner
-            parts.append((tuple(x.shape), x.stride(), x.dtype, True))
+            parts.append((x.shape, x.stride(), x.dtype, True))
             if x._host is not None:
                 uva.append(x)
             inner_flat.append(inner)
@@ -247,7 +260,7 @@ def _deferred(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> An
             nd = x.dim()
             if nd and not allow_cpu and x.device.type == "cpu":
                 devices_of(flat, allow_cpu)  # (raises, naming both devices)
-            parts.append((tuple(x.shape), x.stride(), x.dtype, nd > 0))
+            parts.append((x.shape, x.stride(), x.dtype, nd > 0))
             inner_flat.append(x.clone())  # CPU scalars/indices: passed by value at launch
         else:
             if cacheable:
@@ -278,36 +291,57 @@ def _deferred(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> An
         fresh.append((i, inner))
         return wrap(inner, device, None, proxy, block)
 
-    result = _assemble(func, args, kwargs, meta_out, make)
-    name = packet.__name__
+    if isinstance(meta_out, torch.Tensor):  # (most ops: one tensor, in place or fresh)
+        result = _aliased_arg(func, 0, args, kwargs) if plan.rets and plan.rets[0] is not None \
+            else None
+        if result is None:
+            result = make(0, meta_out)
+    else:
+        result = _assemble(func, args, kwargs, meta_out, make)
+    name = plan.name
     label = _LABELS.get((name, device))
     if label is None:
         label = _LABELS[(name, device)] = f"{name} on {device}"
-    reads: list[HostRead] = [
-        HostRead.of(sim.pinned, x._inner, f"UVA view (pinned host memory) read by {name}")
-        for x in uva]
     ia, ik = _unflatten(inner_flat, spec)
-    written = [w for w in _written_args(func, args, kwargs) if isinstance(w, _DEV)]
-    host_writes = [span(w._inner) for w in written if w._host is not None]
-    acc = (name, dev_reads, [*(w._inner for w in written), *(inner for _, inner in fresh)])
-    if reads:
+    if plan.writes:
+        written = [w for w in _written_args(func, args, kwargs) if isinstance(w, _DEV)]
+        writes = [w._inner for w in written]
+        host_writes = [span(w._inner) for w in written if w._host is not None]
+    else:
+        writes, host_writes = [], []
+    for _, inner in fresh:
+        writes.append(inner)
+    reads: list[HostRead] = []
+    if uva:
+        reads = [HostRead.of(sim.pinned, x._inner, "UVA view (pinned host memory) read by "
+                             f"{name}") for x in uva]
         label = call_site().describe(label)
-    seed = int(sim.sched.rng.integers(1 << 62)) if sim.mode == "random" and packet in _SCATTERS \
+    packet = plan.packet
+    seed = int(sim.sched.rng.integers(1 << 62)) if plan.scatter and sim.mode == "random" \
         else None
+    if seed is None and not fresh:
+        def run(_: list[torch.Tensor]) -> None:  # (in place)
+            func(*ia, **ik)
+    elif seed is None and len(fresh) == 1 and fresh[0][0] == 0 and \
+            isinstance(meta_out, torch.Tensor):
+        out0 = fresh[0][1]
 
-    def run(_: list[torch.Tensor]) -> None:
-        a, k = ia, ik
-        if seed is not None:  # positions are device values: shuffle when the kernel runs
-            a, k = _shuffle_duplicates(seed, packet, a, k)
-        out = func(*a, **k)
-        if fresh:
-            leaves = [out] if isinstance(out, torch.Tensor) else list(out) \
-                if isinstance(out, tuple) else pytree.tree_leaves(out)
-            for i, inner in fresh:
-                inner.copy_(leaves[i])
+        def run(_: list[torch.Tensor]) -> None:  # (the common case: one fresh output)
+            out0.copy_(func(*ia, **ik))
+    else:
+        def run(_: list[torch.Tensor]) -> None:
+            a, k = ia, ik
+            if seed is not None:  # positions are device values: shuffle when the kernel runs
+                a, k = _shuffle_duplicates(seed, packet, a, k)
+            out = func(*a, **k)
+            if fresh:
+                leaves = [out] if isinstance(out, torch.Tensor) else list(out) \
+                    if isinstance(out, tuple) else pytree.tree_leaves(out)
+                for i, inner in fresh:
+                    inner.copy_(leaves[i])
 
-    sim.sched.enqueue(sim.sched.current_stream(device),
-                      Op(label, run, reads, host_writes=host_writes, acc=acc))
+    sim.sched.enqueue(sim.sched.current_stream(index),
+                      Op(label, run, reads, host_writes=host_writes, acc=(name, dev_reads, writes)))
     return result
 
 

@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._core import SimState, active, current
+from ._races import entry as _race_entry
 from ._sched import Op
 
 __all__ = ["SimDispatchMode", "SimFunctionMode", "SimTensor", "OPS", "register_op",
@@ -38,9 +39,15 @@ aten = torch.ops.aten
 _T = torch.Tensor
 Handler = Callable[[SimState, Any, Any, "dict[str, Any]"], Any]
 
-# aten overload packet -> handler(sim, func, args, kwargs); filled by ``_ops``
+# aten overload packet -> handler(sim, func, args, kwargs); filled by ``_ops`` (through
+# register_op: it also forgets the handlers looked up so far)
 OPS: dict[Any, Handler] = {}
 _DEFAULTS: dict[str, Handler] = {}
+
+
+# id(OpOverload) -> (it, its handler), filled as ops are first seen (hashing an OpOverload
+# calls a Python __hash__; torch makes each one once, and the entry holds it)
+_HANDLERS: dict[int, tuple[Any, Handler]] = {}
 
 
 def register_op(*packets: Any) -> Callable[[Handler], Handler]:
@@ -48,6 +55,7 @@ def register_op(*packets: Any) -> Callable[[Handler], Handler]:
     def deco(fn: Handler) -> Handler:
         for p in packets:
             OPS[p] = fn
+        _HANDLERS.clear()
         return fn
     return deco
 
@@ -56,8 +64,17 @@ def register_default(kind: str) -> Callable[[Handler], Handler]:
     """Register the handler of every ``"view"`` op or every other (``"op"``) without its own."""
     def deco(fn: Handler) -> Handler:
         _DEFAULTS[kind] = fn
+        _HANDLERS.clear()
         return fn
     return deco
+
+
+def _handler(func: Any) -> Handler:
+    handler = OPS.get(func.overloadpacket)
+    if handler is None:
+        handler = _DEFAULTS["view" if func.is_view else "op"]
+    _HANDLERS[id(func)] = (func, handler)
+    return handler
 
 
 def _active() -> SimState:
@@ -488,10 +505,9 @@ def _torch_dispatch(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     if sim is None:
         return _after_close(func, args, kwargs)
     with sim.sched.lock:
-        handler = OPS.get(func.overloadpacket)
-        if handler is not None:
-            return handler(sim, func, args, kwargs)
-        return _DEFAULTS["view" if func.is_view else "op"](sim, func, args, kwargs)
+        known = _HANDLERS.get(id(func))
+        handler = known[1] if known is not None else _handler(func)
+        return handler(sim, func, args, kwargs)
 
 
 def devices_of(flat: list[Any], allow_cpu: bool) -> tuple[torch.device, bool]:
@@ -606,7 +622,15 @@ class SimFunctionMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
+        e = _race_entry
+        prev = e.frame
+        e.frame = sys._getframe(1)  # (the race checker names the user's line from here)
+        try:
+            return self._function(func, types, args, kwargs or {})
+        finally:
+            e.frame = prev
+
+    def _function(self, func: Any, types: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         sim = current()  # whichever simulator is open now (a pooled thread outlives one)
         if sim is None:
             return func(*args, **kwargs)
