@@ -725,3 +725,69 @@ def test_a_spin_kernel_keeps_its_stream_busy_in_every_mode(mode):
             if s.query():
                 break
         assert s.query()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ops_with_every_argument_shape_give_torchs_values(mode):
+    # what the simulator's own argument handling must keep (positional, lists of one and of
+    # several tensors, None in an index list, keyword arguments, torch.Size, tuple results),
+    # against the same calls on CPU tensors
+    base = torch.arange(12.0).reshape(3, 4)
+    idx = torch.tensor([2, 0])
+    cpu = {
+        "add_alpha": torch.add(base, base, alpha=2),
+        "cat1": torch.cat([base]),
+        "cat2": torch.cat([base, base], dim=1),
+        "index_none": base[:, idx],
+        "index_list": base[idx, 1:],
+        "reshape_size": base.reshape(torch.Size([4, 3])),
+        "split": torch.split(base, 2, dim=1),
+        "max_dim": base.max(dim=1).values,
+    }
+    with simulated_accelerator(mode) as sim:
+        b = base.to(sim.device)
+        i = idx.to(sim.device)
+        got = {
+            "add_alpha": torch.add(b, b, alpha=2),
+            "cat1": torch.cat([b]),
+            "cat2": torch.cat([b, b], dim=1),
+            "index_none": b[:, i],
+            "index_list": b[i, 1:],
+            "reshape_size": b.reshape(torch.Size([4, 3])),
+            "split": torch.split(b, 2, dim=1),
+            "max_dim": b.max(dim=1).values,
+        }
+        for k, want in cpu.items():
+            have = got[k]
+            if isinstance(want, tuple):
+                assert len(have) == len(want), k
+                for h, w in zip(have, want):
+                    assert h.device.type == "cuda" and torch.equal(h.cpu(), w), k
+            else:
+                assert have.device.type == "cuda" and torch.equal(have.cpu(), want), k
+
+
+def test_an_in_place_method_returns_its_own_tensor():
+    # as in torch: x.masked_fill_(...) is x (methods the simulator runs through its cpu
+    # view returned a new wrapper object)
+    with simulated_accelerator("eager"):
+        x = torch.arange(6.0, device="cuda")
+        assert x.masked_fill_(x > 2, 0) is x
+        assert x.index_fill_(0, torch.tensor([0], device="cuda"), 7) is x
+        assert x.tolist() == [7.0, 1.0, 2.0, 0.0, 0.0, 0.0]
+
+
+def test_a_race_names_the_users_line_of_both_accesses():
+    import inspect
+
+    with pytest.raises(HazardError) as err:
+        with simulated_accelerator("eager"):
+            x = torch.ones(16, device="cuda")
+            first = inspect.currentframe().f_lineno + 1
+            x.add_(1)
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s):
+                second = inspect.currentframe().f_lineno + 1
+                x.mul_(2)  # not ordered after the add_ on the default stream
+    text = str(err.value)
+    assert f"{__file__}:{first}" in text and f"{__file__}:{second}" in text

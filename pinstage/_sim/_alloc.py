@@ -132,7 +132,8 @@ class Allocator:
             return
         pool = self.pools.setdefault(block.stream.stream_id, [])
         bisect.insort(pool, block, key=_size)
-        cached = self.reserved - self.allocated - sum(b.size for b in self.waiting)
+        cached = self.reserved - self.allocated - (
+            sum(b.size for b in self.waiting) if self.waiting else 0)
         while cached > CACHE_KEEP:
             biggest = max((p for p in self.pools.values() if p), key=lambda p: p[-1].size)
             gone = biggest.pop()
@@ -207,8 +208,7 @@ class Allocator:
         itemsize = _ITEMSIZE.get(dtype)
         if itemsize is None:
             itemsize = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype, device="cpu").element_size()
-        n = 0 if any(d == 0 for d in shape) else \
-            1 + sum((d - 1) * s for d, s in zip(shape, stride))
+        n = 0 if 0 in shape else 1 + sum((d - 1) * s for d, s in zip(shape, stride))
         if n == 0:
             return torch.empty_strided(shape, stride, dtype=dtype, device="cpu"), None, True
         nbytes = n * itemsize

@@ -66,7 +66,9 @@ class SimState:
                 step *= max(d, 1)
             stride.reverse()
         stream = self.sched.current_stream(index)
-        with torch._C.DisableTorchFunction():  # (tensor calls here skip the simulator's modes)
+        # (the lock: factories allocate from the function mode, outside any op's lock, and
+        # threads share the allocator's pools)
+        with self.sched.lock, torch._C.DisableTorchFunction():
             inner, handle, new = self.allocators[index].empty_strided(
                 shape, tuple(stride), dtype, stream)
         if new and poison and self.mode != "eager":

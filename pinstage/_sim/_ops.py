@@ -26,11 +26,13 @@ from ._core import SimState
 from ._hazards import HostRead, poison_, span
 from ._sched import Op
 from ._tensor import (
+    _DEV,
     Proxy,
     devices_of,
     empty_device,
     inner_of,
     is_device,
+    map_out,
     register_default,
     register_op,
     wrap,
@@ -42,13 +44,14 @@ aten = torch.ops.aten
 
 
 def _view(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    flat, spec = pytree.tree_flatten((args, kwargs))
+    flat, spec = _flatten(args, kwargs)
     device, proxy = devices_of(flat, allow_cpu=True)
-    base = next(x for x in flat if is_device(x))
-    a, k = pytree.tree_unflatten([inner_of(x) for x in flat], spec)
+    base = next(x for x in flat if isinstance(x, _DEV))
+    a, k = _unflatten([x._inner if isinstance(x, _DEV) else x for x in flat], spec)
     out = func(*a, **k)
-    return pytree.tree_map_only(torch.Tensor,
-                                lambda t: wrap(t, device, base._host, proxy, base._block), out)
+    host, block = base._host, base._block
+    return map_out(lambda t: wrap(t, device, host, proxy, block)
+                   if isinstance(t, torch.Tensor) else t, out)
 
 
 def _meta(x: Any) -> Any:
@@ -66,43 +69,67 @@ _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.
             torch.memory_format)
 
 
-def _meta_key(func: Any, flat: list[Any], spec: Any) -> Any:
-    parts: list[Any] = [func, spec]
-    for x in flat:
-        if isinstance(x, torch.Tensor):
-            parts.append((tuple(x.shape), x.stride(), x.dtype, is_device(x) or x.dim() > 0))
-        elif isinstance(x, _SCALARS):
-            parts.append((type(x), x))
-        else:
-            return None
-    return tuple(parts)
+class _Plan:
+    """What ``func``'s schema says, worked out once per overload: which arguments it writes
+    and which argument each return aliases (in-place / out=)."""
+
+    __slots__ = ("cpu_ok", "func", "name", "packet", "rets", "scatter", "writes")
+
+    def __init__(self, func: Any) -> None:
+        schema = func._schema
+        self.func = func  # (held: the plans are keyed by its id)
+        self.packet = packet = func.overloadpacket
+        self.name: str = packet.__name__
+        self.cpu_ok = packet in _CPU_OK
+        self.scatter = packet in _SCATTERS
+        params = list(enumerate(schema.arguments))
+        self.writes = tuple((j, a.name) for j, a in params
+                            if a.alias_info is not None and a.alias_info.is_write)
+        rets: list[tuple[tuple[int, str], ...] | None] = []
+        for r in schema.returns:
+            info = r.alias_info
+            if info is None or not info.is_write:
+                rets.append(None)
+                continue
+            rets.append(tuple((j, a.name) for j, a in params if a.alias_info is not None and
+                              a.alias_info.is_write and
+                              set(a.alias_info.before_set) & set(info.before_set)))
+        self.rets = tuple(rets)
+
+
+# id(OpOverload) -> its plan: torch's OpOverload objects are made once per overload, and
+# hashing one calls a Python __hash__ (keyed by the object, every lookup cost a Python call)
+_PLANS: dict[int, _Plan] = {}
+
+
+def _plan(func: Any) -> _Plan:
+    plan = _PLANS.get(id(func))
+    if plan is None:
+        plan = _PLANS[id(func)] = _Plan(func)
+    return plan
 
 
 def _aliased_arg(func: Any, i: int, args: Any, kwargs: dict[str, Any]) -> Any:
     """The argument that return ``i`` of ``func`` aliases and writes (in-place / out=), or
     None for a fresh output."""
-    rets = func._schema.returns
-    if i >= len(rets):
+    rets = _plan(func).rets
+    if i >= len(rets) or rets[i] is None:
         return None
-    info = rets[i].alias_info
-    if info is None or not info.is_write:
-        return None
-    for j, arg in enumerate(func._schema.arguments):
-        ai = arg.alias_info
-        if ai is not None and ai.is_write and set(ai.before_set) & set(info.before_set):
-            if arg.name in kwargs:
-                return kwargs[arg.name]
-            if j < len(args):
-                return args[j]
+    for j, name in rets[i]:  # type: ignore[union-attr]
+        if name in kwargs:
+            return kwargs[name]
+        if j < len(args):
+            return args[j]
     return None
 
 
 def _written_args(func: Any, args: Any, kwargs: dict[str, Any]) -> list[Any]:
     out: list[Any] = []
-    for j, arg in enumerate(func._schema.arguments):
-        ai = arg.alias_info
-        if ai is not None and ai.is_write:
-            v = kwargs.get(arg.name, args[j] if j < len(args) else None)
+    for j, name in _plan(func).writes:
+        v = kwargs.get(name, args[j] if j < len(args) else None)
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif v is not None:
             out.extend(x for x in pytree.tree_leaves(v) if isinstance(x, torch.Tensor))
     return out
 
@@ -122,15 +149,133 @@ def _assemble(func: Any, args: Any, kwargs: dict[str, Any], out: Any,
     return pytree.tree_map_only(torch.Tensor, lambda t: make(next(counter), t), out)
 
 
-def _deferred(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    packet = func.overloadpacket
+_SEQ = (list, tuple, torch.Size)
+
+
+def _flatten(args: Any, kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
+    """``pytree.tree_flatten((args, kwargs))`` for what aten ops take (leaves, and lists or
+    tuples of leaves), several times cheaper; its own spec (hashable), for
+    :func:`_unflatten`. Anything nested deeper goes to pytree."""
+    flat: list[Any] = []
+    shape: list[Any] = []
+    for a in args:
+        if type(a) in _SEQ:
+            for y in a:
+                if isinstance(y, (list, tuple, dict)):
+                    return _tree_flatten(args, kwargs)
+            shape.append((type(a), len(a)))
+            flat.extend(a)
+        elif isinstance(a, (list, tuple, dict)):
+            return _tree_flatten(args, kwargs)
+        else:
+            shape.append(None)
+            flat.append(a)
+    if not kwargs:
+        if all(x is None for x in shape):  # (no list among them)
+            return flat, _SIMPLE
+        return flat, ("flat", tuple(shape), ())
+    keys: list[Any] = []
+    for k, a in kwargs.items():
+        if type(a) in _SEQ:
+            for y in a:
+                if isinstance(y, (list, tuple, dict)):
+                    return _tree_flatten(args, kwargs)
+            keys.append((k, type(a), len(a)))
+            flat.extend(a)
+        elif isinstance(a, (list, tuple, dict)):
+            return _tree_flatten(args, kwargs)
+        else:
+            keys.append((k, None, 1))
+            flat.append(a)
+    return flat, ("flat", tuple(shape), tuple(keys))
+
+
+def _tree_flatten(args: Any, kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
     flat, spec = pytree.tree_flatten((args, kwargs))
-    device, proxy = devices_of(flat, allow_cpu=packet in _CPU_OK)
-    key = _meta_key(func, flat, spec)
+    return flat, ("tree", spec)
+
+
+_SIMPLE = ("simple",)  # _flatten's spec of positional leaves only
+
+
+def _unflatten(flat: list[Any], spec: Any) -> tuple[Any, dict[str, Any]]:
+    if spec is _SIMPLE:
+        return tuple(flat), {}
+    if spec[0] == "tree":
+        return pytree.tree_unflatten(flat, spec[1])  # type: ignore[no-any-return]
+    _, shape, keys = spec
+    args: list[Any] = []
+    i = 0
+    for s in shape:
+        if s is None:
+            args.append(flat[i])
+            i += 1
+        else:
+            typ, n = s
+            args.append(typ(flat[i:i + n]))
+            i += n
+    kwargs: dict[str, Any] = {}
+    for k, typ, n in keys:
+        if typ is None:
+            kwargs[k] = flat[i]
+            i += 1
+        else:
+            kwargs[k] = typ(flat[i:i + n])
+            i += n
+    return tuple(args), kwargs
+
+
+_LABELS: dict[tuple[str, torch.device], str] = {}
+
+
+def _deferred(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    plan = _PLANS.get(id(func)) or _plan(func)
+    flat, spec = _flatten(args, kwargs)
+    allow_cpu = plan.cpu_ok
+    # one pass over the arguments: their device, the shape cache's key, what the queued
+    # kernel gets (device tensors' memory; CPU tensors by value), the memory it reads
+    device: Any = None
+    proxy = False
+    cacheable = True
+    parts: list[Any] = [id(func), spec]  # (the plan holds func: its id stays its own)
+    inner_flat: list[Any] = []
+    dev_reads: list[torch.Tensor] = []
+    uva: list[Any] = []
+    for x in flat:
+        if isinstance(x, _DEV):
+            d = x._sim_device
+            if device is None:
+                device = d
+            elif d != device:
+                devices_of(flat, allow_cpu)  # (raises, naming both)
+            if type(x) is Proxy:
+                proxy = True
+            inner = x._inner
+            parts.append((x.shape, x.stride(), x.dtype, True))
+            if x._host is not None:
+                uva.append(x)
+            inner_flat.append(inner)
+            dev_reads.append(inner)
+        elif isinstance(x, torch.Tensor):
+            nd = x.dim()
+            if nd and not allow_cpu and x.device.type == "cpu":
+                devices_of(flat, allow_cpu)  # (raises, naming both devices)
+            parts.append((x.shape, x.stride(), x.dtype, nd > 0))
+            inner_flat.append(x.clone())  # CPU scalars/indices: passed by value at launch
+        else:
+            if cacheable:
+                if isinstance(x, _SCALARS):
+                    parts.append((type(x), x))
+                else:
+                    cacheable = False
+            inner_flat.append(x)
+    if device is None:
+        devices_of(flat, allow_cpu)  # (raises)
+    key = tuple(parts) if cacheable else None
     meta_out = _META_CACHE.get(key) if key is not None else None
     if meta_out is None:
         try:
-            ma, mk = pytree.tree_unflatten([_meta(x) for x in flat], spec)
+            ma, mk = _unflatten([_meta(x) for x in flat], spec)
             meta_out = func(*ma, **mk)
         except Exception:  # noqa: BLE001 - data-dependent output size, or no meta kernel
             return _host_fallback(sim, func, args, kwargs, device, proxy)
@@ -139,49 +284,64 @@ def _deferred(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> An
                 _META_CACHE.clear()
             _META_CACHE[key] = meta_out
     fresh: list[tuple[int, torch.Tensor]] = []
+    index = device.index or 0
 
     def make(i: int, m: torch.Tensor) -> torch.Tensor:
-        inner, block = sim.device_empty(m.shape, m.stride(), m.dtype, device.index or 0)
+        inner, block = sim.device_empty(m.shape, m.stride(), m.dtype, index)
         fresh.append((i, inner))
         return wrap(inner, device, None, proxy, block)
 
-    result = _assemble(func, args, kwargs, meta_out, make)
+    if isinstance(meta_out, torch.Tensor):  # (most ops: one tensor, in place or fresh)
+        result = _aliased_arg(func, 0, args, kwargs) if plan.rets and plan.rets[0] is not None \
+            else None
+        if result is None:
+            result = make(0, meta_out)
+    else:
+        result = _assemble(func, args, kwargs, meta_out, make)
+    name = plan.name
+    label = _LABELS.get((name, device))
+    if label is None:
+        label = _LABELS[(name, device)] = f"{name} on {device}"
+    ia, ik = _unflatten(inner_flat, spec)
+    if plan.writes:
+        written = [w for w in _written_args(func, args, kwargs) if isinstance(w, _DEV)]
+        writes = [w._inner for w in written]
+        host_writes = [span(w._inner) for w in written if w._host is not None]
+    else:
+        writes, host_writes = [], []
+    for _, inner in fresh:
+        writes.append(inner)
     reads: list[HostRead] = []
-    inner_flat = []
-    label = f"{packet.__name__} on {device}"
-    for x in flat:
-        if is_device(x):
-            if x._host is not None:
-                reads.append(HostRead.of(sim.pinned, x._inner, "UVA view (pinned host memory) "
-                                         f"read by {packet.__name__}"))
-            inner_flat.append(x._inner)
-        elif isinstance(x, torch.Tensor):
-            inner_flat.append(x.clone())  # CPU scalars/indices: passed by value at launch
-        else:
-            inner_flat.append(x)
-    ia, ik = pytree.tree_unflatten(inner_flat, spec)
-    written = [w for w in _written_args(func, args, kwargs) if is_device(w)]
-    host_writes = [span(w._inner) for w in written if w._host is not None]
-    acc = (packet.__name__, [x._inner for x in flat if is_device(x)],
-           [*(w._inner for w in written), *(inner for _, inner in fresh)])
-    if reads:
+    if uva:
+        reads = [HostRead.of(sim.pinned, x._inner, "UVA view (pinned host memory) read by "
+                             f"{name}") for x in uva]
         label = call_site().describe(label)
-    seed = int(sim.sched.rng.integers(1 << 62)) if sim.mode == "random" and packet in _SCATTERS \
+    packet = plan.packet
+    seed = int(sim.sched.rng.integers(1 << 62)) if plan.scatter and sim.mode == "random" \
         else None
+    if seed is None and not fresh:
+        def run(_: list[torch.Tensor]) -> None:  # (in place)
+            func(*ia, **ik)
+    elif seed is None and len(fresh) == 1 and fresh[0][0] == 0 and \
+            isinstance(meta_out, torch.Tensor):
+        out0 = fresh[0][1]
 
-    def run(_: list[torch.Tensor]) -> None:
-        a, k = ia, ik
-        if seed is not None:  # positions are device values: shuffle when the kernel runs
-            a, k = _shuffle_duplicates(seed, packet, a, k)
-        out = func(*a, **k)
-        if fresh:
-            leaves = [out] if isinstance(out, torch.Tensor) else list(out) \
-                if isinstance(out, tuple) else pytree.tree_leaves(out)
-            for i, inner in fresh:
-                inner.copy_(leaves[i])
+        def run(_: list[torch.Tensor]) -> None:  # (the common case: one fresh output)
+            out0.copy_(func(*ia, **ik))
+    else:
+        def run(_: list[torch.Tensor]) -> None:
+            a, k = ia, ik
+            if seed is not None:  # positions are device values: shuffle when the kernel runs
+                a, k = _shuffle_duplicates(seed, packet, a, k)
+            out = func(*a, **k)
+            if fresh:
+                leaves = [out] if isinstance(out, torch.Tensor) else list(out) \
+                    if isinstance(out, tuple) else pytree.tree_leaves(out)
+                for i, inner in fresh:
+                    inner.copy_(leaves[i])
 
-    sim.sched.enqueue(sim.sched.current_stream(device),
-                      Op(label, run, reads, host_writes=host_writes, acc=acc))
+    sim.sched.enqueue(sim.sched.current_stream(index),
+                      Op(label, run, reads, host_writes=host_writes, acc=(name, dev_reads, writes)))
     return result
 
 

@@ -19,6 +19,7 @@ which tensor, and the user's line that queued each.
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -26,10 +27,11 @@ import torch
 from .. import _callsite
 from .._errors import HazardError
 
-__all__ = ["RaceTracker", "Access"]
+__all__ = ["RaceTracker", "Access", "entry"]
 
 _PLAIN = torch._C.DisableTorchFunction
 _ATTR = "_pinstage_sim_races"  # on a storage: what its tracker knows of it
+_SPAN = "_pinstage_sim_span"  # on a tensor: (address, numel, its bytes lo, hi, storage's _ATTR)
 # id(code object) -> (it, whether its frames are the user's): call_site's rule, cached, as
 # every access asks (walking the stack with string tests would be most of the checker's
 # cost; keyed by id, as hashing a code object hashes its bytecode; holding the code keeps its
@@ -37,9 +39,22 @@ _ATTR = "_pinstage_sim_races"  # on a storage: what its tracker knows of it
 _USER_CODE: dict[int, tuple[Any, bool]] = {}
 
 
+class _Entry(threading.local):
+    frame: Any = None
+
+
+# The frame that called the torch function being simulated now, on this thread (set by the
+# simulator's function mode while the call runs): the user's line is found from there, not by
+# walking up through the simulator's own frames (in CPython 3.11+ each frame walked past is
+# made into a Python object: most of the cost of a race check).
+entry = _Entry()
+
+
 def _where() -> tuple[str, int]:
     """The user's frame that queued the work: (file, line)."""
-    frame: Any = sys._getframe(2)
+    frame: Any = entry.frame
+    if frame is None:
+        frame = sys._getframe(2)
     while frame is not None:
         code = frame.f_code
         known = _USER_CODE.get(id(code))
@@ -157,39 +172,52 @@ class RaceTracker:
         with _PLAIN():  # (tensor methods here must not go through the simulator's modes)
             self._access(stream, seq, what, reads, writes, where)
 
+    def _span(self, t: torch.Tensor, n: int) -> tuple[int, int, list[Any]]:
+        """``_range(t)`` and ``_region(t)`` of ``t`` (``n`` elements), kept on the tensor
+        object: the simulator's tensors are used again and again (checked by its address and
+        size, which a new storage or a resize changes)."""
+        ptr = t.data_ptr()
+        known = getattr(t, _SPAN, None)
+        if known is not None and known[0] == ptr and known[1] == n and known[4][0] is self:
+            return known[2], known[3], known[4]
+        lo, hi = _range(t)
+        held = self._region(t)
+        try:
+            setattr(t, _SPAN, (ptr, n, lo, hi, held))
+        except (AttributeError, TypeError):  # (a tensor type without attributes)
+            pass
+        return lo, hi, held
+
     def _access(self, stream: Any, seq: int, what: str, reads: Any, writes: Any,
                 where: tuple[str, int] | None) -> None:
         sid = stream.stream_id
-        mine = self.clocks.get(sid) or {}
+        mine = self.clocks.get(sid) or _EMPTY
         host = self.host
         site = where if where is not None else _where()
         todo: list[tuple[list[Any], Access, bool]] = []
         for t in writes:
-            if not t.numel():
+            n = t.numel()
+            if not n:
                 continue
-            lo, hi = _range(t)
-            held = self._region(t)
+            lo, hi, held = self._span(t, n)
+            a: Access = (what, stream, sid, seq, site, lo, hi, t.shape, t.dtype, held[3])
             for prevs, verb in ((held[2], "reads"), (held[1], "writes")):  # (CSAN's order)
                 for p in prevs:
-                    if p[_LO] < hi and lo < p[_HI] and p[_SID] != sid and \
+                    if p[_SID] != sid and p[_LO] < hi and lo < p[_HI] and \
                             mine.get(p[_SID], 0) < p[_SEQ] and host.get(p[_SID], 0) < p[_SEQ]:
-                        raise _error("write", (what, stream, sid, seq, site, lo, hi, t.shape,
-                                               t.dtype, held[3]), p, verb)
-            todo.append((held, (what, stream, sid, seq, site, lo, hi, t.shape, t.dtype,
-                                held[3]), True))
-        wrote = {id(w) for w in writes} if writes else None
+                        raise _error("write", a, p, verb)
+            todo.append((held, a, True))
         for t in reads:
-            if not t.numel() or (wrote is not None and id(t) in wrote):
+            n = t.numel()
+            if not n or (writes and any(t is w for w in writes)):
                 continue  # (read and written: the write's checks cover both)
-            lo, hi = _range(t)
-            held = self._region(t)
+            lo, hi, held = self._span(t, n)
+            a = (what, stream, sid, seq, site, lo, hi, t.shape, t.dtype, held[3])
             for p in held[1]:
-                if p[_LO] < hi and lo < p[_HI] and p[_SID] != sid and \
+                if p[_SID] != sid and p[_LO] < hi and lo < p[_HI] and \
                         mine.get(p[_SID], 0) < p[_SEQ] and host.get(p[_SID], 0) < p[_SEQ]:
-                    raise _error("read", (what, stream, sid, seq, site, lo, hi, t.shape,
-                                          t.dtype, held[3]), p, "writes")
-            todo.append((held, (what, stream, sid, seq, site, lo, hi, t.shape, t.dtype,
-                                held[3]), False))
+                    raise _error("read", a, p, "writes")
+            todo.append((held, a, False))
         for held, a, write in todo:  # all checked: record them, dropping what they cover
             lo, hi = a[_LO], a[_HI]
             if write:
@@ -199,12 +227,19 @@ class RaceTracker:
                     held[2] = [p for p in held[2] if p[_LO] < lo or p[_HI] > hi]
                 held[1].append(a)
             else:
-                if held[2]:  # (a read covered and ordered before this one adds nothing)
-                    held[2] = [p for p in held[2] if p[_LO] < lo or p[_HI] > hi or (
+                r = held[2]
+                if r:  # (a read covered and ordered before this one adds nothing)
+                    if len(r) == 1 and r[0][_SID] == sid and r[0][_LO] >= lo and \
+                            r[0][_HI] <= hi:
+                        r[0] = a  # (the common case: the same stream read it last)
+                        continue
+                    held[2] = r = [p for p in r if p[_LO] < lo or p[_HI] > hi or (
                         p[_SID] != sid and mine.get(p[_SID], 0) < p[_SEQ] and
                         host.get(p[_SID], 0) < p[_SEQ])]
-                held[2].append(a)
+                r.append(a)
 
+
+_EMPTY: dict[int, int] = {}
 
 
 def _error(kind: str, cur: Access, prev: Access, prev_verb: str) -> HazardError:

@@ -296,6 +296,8 @@ class Scheduler:
         """The index ``device`` names (``None``/``"cuda"``: the current device)."""
         if device is None:
             return self.current_device()
+        if type(device) is int and 0 <= device < self.device_count:  # (the common case)
+            return device
         if isinstance(device, SimStream):
             return device.device_index
         if isinstance(device, int) and not isinstance(device, bool):

@@ -27,18 +27,20 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._core import SimState, active, current
+from ._races import entry as _race_entry
 from ._sched import Op
 
 __all__ = ["SimDispatchMode", "SimFunctionMode", "SimTensor", "OPS", "register_op",
            "register_default", "enter_modes", "spread_to_new_threads", "stop_spreading",
            "is_device", "wrap", "inner_of", "empty_device", "to", "devices_of", "Proxy",
-           "from_proxy"]
+           "from_proxy", "map_args", "map_out"]
 
 aten = torch.ops.aten
 _T = torch.Tensor
 Handler = Callable[[SimState, Any, Any, "dict[str, Any]"], Any]
 
-# aten overload packet -> handler(sim, func, args, kwargs); filled by ``_ops``
+# aten overload packet -> handler(sim, func, args, kwargs); filled by ``_ops`` (through
+# register_op: it also forgets the handlers looked up so far)
 OPS: dict[Any, Handler] = {}
 _DEFAULTS: dict[str, Handler] = {}
 # factory function -> handler(sim, func, args, kwargs, device index) for ``device="cuda"``
@@ -46,11 +48,17 @@ _DEFAULTS: dict[str, Handler] = {}
 FACTORIES: dict[Any, Callable[..., Any]] = {}
 
 
+# id(OpOverload) -> (it, its handler), filled as ops are first seen (hashing an OpOverload
+# calls a Python __hash__; torch makes each one once, and the entry holds it)
+_HANDLERS: dict[int, tuple[Any, Handler]] = {}
+
+
 def register_op(*packets: Any) -> Callable[[Handler], Handler]:
     """Register a handler for the aten ops ``packets`` (overload packets)."""
     def deco(fn: Handler) -> Handler:
         for p in packets:
             OPS[p] = fn
+        _HANDLERS.clear()
         return fn
     return deco
 
@@ -59,8 +67,17 @@ def register_default(kind: str) -> Callable[[Handler], Handler]:
     """Register the handler of every ``"view"`` op or every other (``"op"``) without its own."""
     def deco(fn: Handler) -> Handler:
         _DEFAULTS[kind] = fn
+        _HANDLERS.clear()
         return fn
     return deco
+
+
+def _handler(func: Any) -> Handler:
+    handler = OPS.get(func.overloadpacket)
+    if handler is None:
+        handler = _DEFAULTS["view" if func.is_view else "op"]
+    _HANDLERS[id(func)] = (func, handler)
+    return handler
 
 
 def _active() -> SimState:
@@ -95,6 +112,7 @@ class SimTensor(torch.Tensor):
     _host: Any  # the pinned host memory this aliases (a UVA view), else None
     _sim_device: torch.device
     _block: Any
+    _proxy: Proxy  # this tensor seen as ``cpu``, once made (``_to_proxy``)
 
     @staticmethod
     def __new__(cls, inner: torch.Tensor, device: torch.device, host: Any = None,
@@ -156,8 +174,13 @@ def wrap(inner: torch.Tensor, device: torch.device, host: Any = None,
 
 
 def _to_proxy(x: Any) -> Any:
-    return Proxy(x._inner, x._sim_device, x._host, x._block) if isinstance(x, SimTensor) \
-        else x
+    """``x`` seen as ``cpu`` (made once per tensor: the same memory and metadata)."""
+    if not isinstance(x, SimTensor):
+        return x
+    p = x.__dict__.get("_proxy")
+    if p is None:  # (it references nothing that references x: no cycle to collect)
+        p = x._proxy = Proxy(x._inner, x._sim_device, x._host, x._block)
+    return p
 
 
 def _from_proxy(x: Any) -> Any:
@@ -191,10 +214,57 @@ def _torch_function(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
             if "not linked with support for cuda" not in str(exc):
                 raise
             _VIA_PROXY.add(func)
-    args, kwargs = pytree.tree_map(_to_proxy, (args, kwargs))
+    orig = args
+    args, kwargs = map_args(_to_proxy, args, kwargs)
     with torch._C.DisableTorchFunctionSubclass():
         out = func(*args, **kwargs)
-    return pytree.tree_map(_from_proxy, out)
+    if isinstance(out, Proxy):  # an in-place method returns its tensor itself
+        for a, p in zip(orig, args):
+            if p is out and a is not p:
+                return a
+    return map_out(_from_proxy, out)
+
+
+_SEQ = (list, tuple, torch.Size)
+
+
+def map_args(fn: Callable[[Any], Any], args: Any, kwargs: dict[str, Any]
+             ) -> tuple[Any, dict[str, Any]]:
+    """``pytree.tree_map(fn, (args, kwargs))`` for what torch's functions take (leaves, and
+    lists/tuples of leaves), without pytree's cost; anything nested deeper goes to pytree."""
+    out = []
+    for a in args:
+        if type(a) in _SEQ:
+            if any(isinstance(y, (list, tuple, dict)) for y in a):
+                return pytree.tree_map(fn, (args, kwargs))  # type: ignore[no-any-return]
+            out.append(type(a)(fn(y) for y in a))
+        elif isinstance(a, (list, tuple, dict)):
+            return pytree.tree_map(fn, (args, kwargs))  # type: ignore[no-any-return]
+        else:
+            out.append(fn(a))
+    if not kwargs:
+        return tuple(out), {}
+    kw = {}
+    for k, a in kwargs.items():
+        if type(a) in _SEQ:
+            if any(isinstance(y, (list, tuple, dict)) for y in a):
+                return pytree.tree_map(fn, (args, kwargs))  # type: ignore[no-any-return]
+            kw[k] = type(a)(fn(y) for y in a)
+        elif isinstance(a, (list, tuple, dict)):
+            return pytree.tree_map(fn, (args, kwargs))  # type: ignore[no-any-return]
+        else:
+            kw[k] = fn(a)
+    return tuple(out), kw
+
+
+def map_out(fn: Callable[[Any], Any], out: Any) -> Any:
+    """``pytree.tree_map(fn, out)`` for an op's result: a tensor, or a list/tuple of them
+    (``split``, ``unbind``), else pytree."""
+    if isinstance(out, torch.Tensor):
+        return fn(out)
+    if type(out) in _SEQ and all(isinstance(o, torch.Tensor) for o in out):
+        return type(out)(fn(o) for o in out)
+    return pytree.tree_map(fn, out)
 
 
 def _item(self: torch.Tensor) -> Any:
@@ -477,10 +547,9 @@ def _torch_dispatch(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     if sim is None:
         return _after_close(func, args, kwargs)
     with sim.sched.lock:
-        handler = OPS.get(func.overloadpacket)
-        if handler is not None:
-            return handler(sim, func, args, kwargs)
-        return _DEFAULTS["view" if func.is_view else "op"](sim, func, args, kwargs)
+        known = _HANDLERS.get(id(func))
+        handler = known[1] if known is not None else _handler(func)
+        return handler(sim, func, args, kwargs)
 
 
 def devices_of(flat: list[Any], allow_cpu: bool) -> tuple[torch.device, bool]:
@@ -624,7 +693,15 @@ class SimFunctionMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
+        e = _race_entry
+        prev = e.frame
+        e.frame = sys._getframe(1)  # (the race checker names the user's line from here)
+        try:
+            return self._function(func, types, args, kwargs or {})
+        finally:
+            e.frame = prev
+
+    def _function(self, func: Any, types: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         sim = current()  # whichever simulator is open now (a pooled thread outlives one)
         if sim is None:
             return func(*args, **kwargs)
@@ -635,6 +712,11 @@ class SimFunctionMode(TorchFunctionMode):
             return _factory(sim, func, args, kwargs)
         if kwargs.get("pin_memory"):
             return _pinned_factory(sim, func, args, kwargs)
+        if types and all(t is SimTensor for t in types):
+            # what ``func(...)`` would do next, without going back through torch to find
+            # SimTensor.__torch_function__ (most of the cost of a small simulated op is such
+            # round trips)
+            return _torch_function(func, args, kwargs)
         return func(*args, **kwargs)
 
 
@@ -647,12 +729,23 @@ class SimDispatchMode(TorchDispatchMode):
         super().__init__()
         self.sim = sim
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # (torch wraps a mode's __torch_dispatch__ in torch._dynamo.disable otherwise, which
+        # costs every op, simulated or not, several microseconds; nothing here is compiled)
+        return False
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         device = kwargs.get("device")
+        if device is None:
+            if types and all(t is SimTensor or t is Proxy for t in types):
+                # what ``func(...)`` would do next: the simulated tensors' own dispatch
+                return _torch_dispatch(func, args, kwargs)
+            return func(*args, **kwargs)
         sim = current()
-        if device is not None and sim is not None and _is_cuda(device) and \
+        if sim is not None and _is_cuda(device) and \
                 not any(is_device(x) for x in args):
             index = sim.sched.device_index(device)
             kw = dict(kwargs)
@@ -663,6 +756,8 @@ class SimDispatchMode(TorchDispatchMode):
                 return _device_result(sim, out, index,
                                       empty=func.overloadpacket in _EMPTY_OPS)
             return out
+        if types and all(t is SimTensor or t is Proxy for t in types):
+            return _torch_dispatch(func, args, kwargs)
         return func(*args, **kwargs)
 
 
