@@ -298,3 +298,31 @@ def test_reseeding_during_a_capture_must_keep_the_seed():
                 torch.cuda.manual_seed(1)
         torch.cuda.manual_seed(1)  # (outside a capture: fine)
         assert torch.cuda.initial_seed() == 1
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy", "random"])
+def test_external_events_recorded_in_a_graph_time_each_replay(mode):
+    """An external event recorded during a capture is a node of the graph: each replay
+    records it again, so elapsed_time covers the replayed work (PyTorch's test_graph_timing;
+    it was 0.0, the capture's own times)."""
+    with simulated_accelerator(mode, seed=2):
+        x = torch.ones(8, device="cuda")
+        start = torch.cuda.Event(enable_timing=True, external=True)
+        end = torch.cuda.Event(enable_timing=True, external=True)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            start.record()
+            torch.cuda._sleep(3_000_000)  # 3 ms
+            y = x + 1
+            end.record()
+        torch.cuda.synchronize()
+        g.replay()
+        torch.cuda.synchronize()
+        assert end.query() and start.elapsed_time(end) == pytest.approx(3.001)
+        assert y.tolist() == [2.0] * 8
+        internal = torch.cuda.Event(enable_timing=True)
+        with pytest.raises(RuntimeError, match="capturing"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                internal.record()
+                x.add_(1)
+            internal.query()  # (recorded in a capture and not external: not a node)

@@ -92,6 +92,18 @@ class Op:
         self.seq = 0
 
 
+class EventRecord(Op):
+    """An ``external=True`` event recorded during a CUDA graph capture: a node of the graph,
+    so each replay records the event again, on the replay's stream (its elapsed times are
+    the replay's)."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event: SimEvent) -> None:
+        super().__init__("event record (captured)", None, ms=0.0)
+        self.event = event
+
+
 class SimStream:
     """``torch.cuda.Stream`` while a simulator is open: a FIFO of device work."""
 
@@ -172,6 +184,7 @@ class SimEvent:
         self.clock: dict[int, int] | None = None  # the stream's vector clock when recorded
         self.enable_timing = enable_timing
         self.blocking = blocking
+        self.external = bool(external)  # recorded in a graph: again at each replay
         self.t = 0.0  # simulated time of its point
 
     def record(self, stream: SimStream | None = None) -> None:
@@ -190,6 +203,8 @@ class SimEvent:
             self.t = stream.t
             self.captured = stream.capture is not None
             self.clock = sched.races.snapshot(stream)
+            if self.captured and self.external:  # (a node of the graph: see EventRecord)
+                stream.capture.ops.append(EventRecord(self))
 
     def query(self) -> bool:
         sched = self.sched

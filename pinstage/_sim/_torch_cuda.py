@@ -25,7 +25,7 @@ from ._rng import cuda_names as _rng_cuda_names
 from ._rng import forget as _rng_forget
 from ._rng import install as _rng_install
 from ._rng import replay_bases, replay_fn
-from ._sched import CYCLES_PER_MS, Op, SimEvent, SimStream
+from ._sched import CYCLES_PER_MS, EventRecord, Op, SimEvent, SimStream
 from ._tensor import SimTensor
 from ._tensor import record_stream as _tensor_record_stream
 
@@ -123,8 +123,8 @@ class _EventType(type):
         return isinstance(obj, SimEvent)
 
     def __call__(cls, enable_timing: bool = False, blocking: bool = False,
-                 interprocess: bool = False, **kwargs: Any) -> Any:
-        return SimEvent(_sim().sched, enable_timing, blocking, interprocess)
+                 interprocess: bool = False, external: bool = False, **kwargs: Any) -> Any:
+        return SimEvent(_sim().sched, enable_timing, blocking, interprocess, external)
 
 
 class Event(metaclass=_EventType):
@@ -215,10 +215,13 @@ class SimGraph:
         with sched.lock:
             bases = replay_bases(self)  # this replay's random offsets
             for op in self.ops:
+                if isinstance(op, EventRecord):
+                    op.event.record(stream)
+                    continue
                 reads = [r.again(op.label) for r in op.reads]
                 fn = replay_fn(self, op, bases)
                 sched.enqueue(stream, Op(f"{op.label} (graph replay)", fn, reads,
-                                         host_writes=op.host_writes,
+                                         host_writes=op.host_writes, ms=op.ms,
                                          acc=op.acc and (f"{op.acc[0]} (graph replay)",
                                                          *op.acc[1:])), None)
 
@@ -525,7 +528,8 @@ class _TorchEventType(type):
         if sim is None or (isinstance(dev, torch.device) and dev.type != "cuda"):
             return cls.real(device, enable_timing=enable_timing, blocking=blocking,
                             interprocess=interprocess, **kwargs)
-        return SimEvent(sim.sched, enable_timing, blocking, interprocess)
+        return SimEvent(sim.sched, enable_timing, blocking, interprocess,
+                        bool(kwargs.get("external", False)))
 
 
 def _torch_level_names(sim: SimState) -> tuple[dict[str, Any], dict[str, Any]]:
