@@ -326,3 +326,29 @@ def test_external_events_recorded_in_a_graph_time_each_replay(mode):
                 internal.record()
                 x.add_(1)
             internal.query()  # (recorded in a capture and not external: not a node)
+
+
+def test_saving_a_simulated_tensor_says_what_to_do():
+    """torch.save of a simulated tensor failed deep in pickle ("cannot pickle
+    '_thread.RLock' object"); it says what is not supported and what works. copy.deepcopy
+    (of a module's buffers, say) failed the same way: it copies on the device."""
+    import io
+    import pickle
+
+    with simulated_accelerator("lazy"):
+        t = torch.arange(4.0, device="cuda")
+        with pytest.raises(TypeError, match="cannot be pickled or saved with torch.save"):
+            torch.save(t, io.BytesIO())
+        with pytest.raises(TypeError, match=r"save t\.cpu\(\)"):
+            pickle.dumps([t])
+        import copy
+
+        pair = copy.deepcopy({"a": t, "b": t})  # (a copy on the device, shared once)
+        assert pair["a"] is pair["b"] and pair["a"] is not t
+        assert pair["a"].device == t.device and pair["a"].tolist() == [0.0, 1.0, 2.0, 3.0]
+        t.add_(1)  # (the copy is its own memory)
+        assert pair["a"].tolist() == [0.0, 1.0, 2.0, 3.0]
+        buf = io.BytesIO()
+        torch.save(t.cpu(), buf)  # what works
+        buf.seek(0)
+        assert torch.load(buf, map_location="cpu").cuda().tolist() == [1.0, 2.0, 3.0, 4.0]

@@ -114,6 +114,20 @@ class SimTensor(torch.Tensor):
     _block: Any
     _proxy: Proxy  # this tensor seen as ``cpu``, once made (``_to_proxy``)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
+        """A copy on the same simulated device: a device-to-device copy queued on the
+        current stream, as ``copy.deepcopy`` of a CUDA tensor does."""
+        done = memo.get(id(self))
+        if done is None:
+            done = memo[id(self)] = self.clone(memory_format=torch.preserve_format)
+        return done  # type: ignore[no-any-return]
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            f"a simulated CUDA tensor ({self._sim_device}) cannot be pickled or saved with "
+            "torch.save: the simulator does not serialize device tensors; save t.cpu() and "
+            "load it with map_location='cpu', then move it to the device")
+
     @staticmethod
     def __new__(cls, inner: torch.Tensor, device: torch.device, host: Any = None,
                 block: Any = None) -> SimTensor:
