@@ -732,31 +732,23 @@ def test_ops_with_every_argument_shape_give_torchs_values(mode):
     # what the simulator's own argument handling must keep (positional, lists of one and of
     # several tensors, None in an index list, keyword arguments, torch.Size, tuple results),
     # against the same calls on CPU tensors
+    def calls(t: torch.Tensor, i: torch.Tensor) -> dict:
+        return {
+            "add_alpha": torch.add(t, t, alpha=2),
+            "cat1": torch.cat([t]),
+            "cat2": torch.cat([t, t], dim=1),
+            "index_none": t[:, i],
+            "index_list": t[i, 1:],
+            "reshape_size": t.reshape(torch.Size([4, 3])),
+            "split": torch.split(t, 2, dim=1),
+            "max_dim": t.max(dim=1).values,
+        }
+
     base = torch.arange(12.0).reshape(3, 4)
     idx = torch.tensor([2, 0])
-    cpu = {
-        "add_alpha": torch.add(base, base, alpha=2),
-        "cat1": torch.cat([base]),
-        "cat2": torch.cat([base, base], dim=1),
-        "index_none": base[:, idx],
-        "index_list": base[idx, 1:],
-        "reshape_size": base.reshape(torch.Size([4, 3])),
-        "split": torch.split(base, 2, dim=1),
-        "max_dim": base.max(dim=1).values,
-    }
+    cpu = calls(base, idx)
     with simulated_accelerator(mode) as sim:
-        b = base.to(sim.device)
-        i = idx.to(sim.device)
-        got = {
-            "add_alpha": torch.add(b, b, alpha=2),
-            "cat1": torch.cat([b]),
-            "cat2": torch.cat([b, b], dim=1),
-            "index_none": b[:, i],
-            "index_list": b[i, 1:],
-            "reshape_size": b.reshape(torch.Size([4, 3])),
-            "split": torch.split(b, 2, dim=1),
-            "max_dim": b.max(dim=1).values,
-        }
+        got = calls(base.to(sim.device), idx.to(sim.device))
         for k, want in cpu.items():
             have = got[k]
             if isinstance(want, tuple):

@@ -634,13 +634,14 @@ def _factory(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any
         dst = empty_device(sim, host.shape, host.dtype, index)
         aten.copy_.default(dst, host, False)  # host -> device, from pageable memory: blocks
         return dst
-    if any(is_device(x) for x in pytree.tree_leaves((args, kwargs))):
+    leaves = pytree.tree_leaves((args, kwargs))
+    if any(is_device(x) for x in leaves):
         if name.endswith("_like"):
             args, kw = pytree.tree_map(inner_of, (args, kw))
         else:
             args, kw = pytree.tree_map(lambda x: _to(x, "cpu") if is_device(x) else x,
                                        (args, kw))
-    memory = _device_memory_first(sim, func, args, kw, index)
+    memory = _device_memory_first(sim, func, args, kw, index, leaves)
     out = func(*args, **kw)
     if not isinstance(out, torch.Tensor):
         return out
@@ -649,13 +650,13 @@ def _factory(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any
 
 
 def _device_memory_first(sim: SimState, func: Any, args: Any, kw: dict[str, Any],
-                         index: int) -> tuple[torch.Tensor, Any] | None:
+                         index: int, leaves: list[Any]) -> tuple[torch.Tensor, Any] | None:
     """The device memory of a factory's result, taken before its values are made on the
     host: a request larger than the device fails with CUDA's out-of-memory error (not the
     host allocator's, or a host that runs out first). Only for results over a MiB (shapes
     from the meta device cost a few microseconds)."""
     n = 1
-    for a in pytree.tree_leaves(args):
+    for a in leaves:  # (the call's arguments, flattened once by the caller)
         if type(a) is int and a > 1:
             n *= a
     if n < 2**18:
