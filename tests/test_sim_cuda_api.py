@@ -352,3 +352,26 @@ def test_saving_a_simulated_tensor_says_what_to_do():
         torch.save(t.cpu(), buf)  # what works
         buf.seek(0)
         assert torch.load(buf, map_location="cpu").cuda().tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_simulated_streams_and_events_are_torch_stream_and_event_subclasses():
+    """PyTorch's test_generic_stream_event: a torch.cuda stream or event is a subclass of the
+    generic torch.Stream/torch.Event (in its MRO), and torch.cuda.Stream(stream_id=...)
+    names an existing stream."""
+    real_stream, real_event = torch.Stream, torch.Event
+    with simulated_accelerator("lazy"):
+        generic = torch.Stream("cuda")
+        same = torch.cuda.Stream(stream_id=generic.stream_id,
+                                 device_index=generic.device_index,
+                                 device_type=generic.device_type)
+        assert same is generic and same != torch.cuda.current_stream()
+        for obj, cls, cuda_cls in ((same, torch.Stream, torch.cuda.Stream),
+                                   (torch.cuda.Event(), torch.Event, torch.cuda.Event)):
+            assert isinstance(obj, cls) and issubclass(type(obj), cls)
+            assert cls in type(obj).mro()
+            assert issubclass(type(obj), cuda_cls) and issubclass(cuda_cls, cuda_cls)
+            assert not issubclass(int, cls) and not issubclass(int, cuda_cls)
+        cpu = torch.Stream("cpu")  # other devices: torch's own, still a torch.Stream
+        assert type(cpu) is real_stream and isinstance(cpu, torch.Stream)
+        assert issubclass(real_stream, torch.Stream)
+    assert torch.Stream is real_stream and torch.Event is real_event

@@ -104,7 +104,47 @@ class EventRecord(Op):
         self.event = event
 
 
-class SimStream:
+class _GenericType(type):
+    """Metaclass of :class:`TorchStream`/:class:`TorchEvent`, which ``torch.Stream`` and
+    ``torch.Event`` are while a simulator is open. They are the bases of the simulated stream
+    and event, so ``issubclass`` and the MRO hold as they do for ``torch.cuda.Stream``;
+    calling one of them goes to its ``maker`` (set by ``_torch_cuda``); ``isinstance`` and
+    ``issubclass`` accept torch's own classes too."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if "real" in cls.__dict__:  # the stand-in itself, not SimStream/SimEvent
+            return (cls.__dict__["maker"] or cls.__dict__["real"])(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        real = cls.__dict__.get("real")
+        return type.__instancecheck__(cls, obj) or (real is not None and isinstance(obj, real))
+
+    def __subclasscheck__(cls, sub: Any) -> bool:
+        real = cls.__dict__.get("real")
+        return type.__subclasscheck__(cls, sub) or (real is not None and issubclass(sub, real))
+
+
+class TorchStream(metaclass=_GenericType):
+    """``torch.Stream`` while a simulator is open (``torch.Stream("cuda")`` makes a
+    simulated stream, other devices torch's own)."""
+
+    real: Any = torch.Stream
+    maker: Any = None
+
+
+class TorchEvent(metaclass=_GenericType):
+    """``torch.Event`` while a simulator is open."""
+
+    real: Any = torch.Event
+    maker: Any = None
+
+
+TorchStream.__qualname__ = TorchStream.__name__ = "Stream"
+TorchEvent.__qualname__ = TorchEvent.__name__ = "Event"
+
+
+class SimStream(TorchStream):
     """``torch.cuda.Stream`` while a simulator is open: a FIFO of device work."""
 
     def __init__(self, sched: Scheduler, index: int, priority: int = 0) -> None:
@@ -172,7 +212,7 @@ class SimStream:
         self.sched.exit_stream()
 
 
-class SimEvent:
+class SimEvent(TorchEvent):
     """``torch.cuda.Event`` while a simulator is open: a point in one stream's queue."""
 
     def __init__(self, sched: Scheduler, enable_timing: bool = False, blocking: bool = False,

@@ -25,7 +25,7 @@ from ._rng import cuda_names as _rng_cuda_names
 from ._rng import forget as _rng_forget
 from ._rng import install as _rng_install
 from ._rng import replay_bases, replay_fn
-from ._sched import CYCLES_PER_MS, EventRecord, Op, SimEvent, SimStream
+from ._sched import CYCLES_PER_MS, EventRecord, Op, SimEvent, SimStream, TorchEvent, TorchStream
 from ._tensor import SimTensor
 from ._tensor import record_stream as _tensor_record_stream
 
@@ -92,7 +92,12 @@ def _tell_user_set_stream(stream: SimStream) -> None:
 
 
 def _new_stream(device: Any = None, priority: int = 0, **kwargs: Any) -> SimStream:
-    return _sim().sched.new_stream(device, clamp_priority(priority))
+    sched = _sim().sched
+    if kwargs.get("stream_id") is not None:  # torch.cuda.Stream(stream_id=..., ...): that one
+        index = kwargs.get("device_index")
+        return _find_stream(sched, int(kwargs["stream_id"]),
+                            sched.device_index(device if index is None else int(index)))
+    return sched.new_stream(device, clamp_priority(priority))
 
 
 class _StreamType(type):
@@ -100,6 +105,9 @@ class _StreamType(type):
 
     def __instancecheck__(cls, obj: Any) -> bool:
         return isinstance(obj, SimStream)
+
+    def __subclasscheck__(cls, sub: Any) -> bool:
+        return type.__subclasscheck__(cls, sub) or issubclass(sub, SimStream)
 
     def __call__(cls, device: Any = None, priority: int = 0, **kwargs: Any) -> Any:
         return _new_stream(device, priority, **kwargs)
@@ -121,6 +129,9 @@ class _EventType(type):
 
     def __instancecheck__(cls, obj: Any) -> bool:
         return isinstance(obj, SimEvent)
+
+    def __subclasscheck__(cls, sub: Any) -> bool:
+        return type.__subclasscheck__(cls, sub) or issubclass(sub, SimEvent)
 
     def __call__(cls, enable_timing: bool = False, blocking: bool = False,
                  interprocess: bool = False, external: bool = False, **kwargs: Any) -> Any:
@@ -496,40 +507,31 @@ def _find_stream(sched: Any, stream_id: int, device_index: int) -> SimStream:
     raise RuntimeError(f"no simulated stream with id {stream_id} on device {device_index}")
 
 
-class _TorchStreamType(type):
-    """``torch.Stream`` while simulated: a ``cuda`` (or default) device makes a simulated
-    stream; other devices, and ``isinstance`` of real streams, are torch's own."""
-
-    real: Any = None
-
-    def __instancecheck__(cls, obj: Any) -> bool:
-        return isinstance(obj, SimStream) or isinstance(obj, cls.real)
-
-    def __call__(cls, device: Any = None, *, priority: int = 0, **kwargs: Any) -> Any:
-        sim = current()
-        dev = torch.device(device) if isinstance(device, str) else device
-        if sim is None or (isinstance(dev, torch.device) and dev.type != "cuda"):
-            return cls.real(device, priority=priority, **kwargs)
-        return sim.sched.new_stream(dev, clamp_priority(priority))
+def _make_torch_stream(device: Any = None, *, priority: int = 0, **kwargs: Any) -> Any:
+    """``torch.Stream(...)`` while simulated: a ``cuda`` (or default) device makes a
+    simulated stream; other devices get torch's own."""
+    sim = current()
+    dev = torch.device(device) if isinstance(device, str) else device
+    if sim is None or (isinstance(dev, torch.device) and dev.type != "cuda"):
+        return TorchStream.real(device, priority=priority, **kwargs)
+    return sim.sched.new_stream(dev, clamp_priority(priority))
 
 
-class _TorchEventType(type):
-    """``torch.Event`` while simulated: events on the simulated device."""
+def _make_torch_event(device: Any = None, *, enable_timing: bool = False,
+                      blocking: bool = False, interprocess: bool = False,
+                      **kwargs: Any) -> Any:
+    """``torch.Event(...)`` while simulated: events on the simulated device."""
+    sim = current()
+    dev = torch.device(device) if isinstance(device, str) else device
+    if sim is None or (isinstance(dev, torch.device) and dev.type != "cuda"):
+        return TorchEvent.real(device, enable_timing=enable_timing, blocking=blocking,
+                               interprocess=interprocess, **kwargs)
+    return SimEvent(sim.sched, enable_timing, blocking, interprocess,
+                    bool(kwargs.get("external", False)))
 
-    real: Any = None
 
-    def __instancecheck__(cls, obj: Any) -> bool:
-        return isinstance(obj, SimEvent) or isinstance(obj, cls.real)
-
-    def __call__(cls, device: Any = None, *, enable_timing: bool = False,
-                 blocking: bool = False, interprocess: bool = False, **kwargs: Any) -> Any:
-        sim = current()
-        dev = torch.device(device) if isinstance(device, str) else device
-        if sim is None or (isinstance(dev, torch.device) and dev.type != "cuda"):
-            return cls.real(device, enable_timing=enable_timing, blocking=blocking,
-                            interprocess=interprocess, **kwargs)
-        return SimEvent(sim.sched, enable_timing, blocking, interprocess,
-                        bool(kwargs.get("external", False)))
+TorchStream.maker = _make_torch_stream
+TorchEvent.maker = _make_torch_event
 
 
 def _torch_level_names(sim: SimState) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -537,21 +539,6 @@ def _torch_level_names(sim: SimState) -> tuple[dict[str, Any], dict[str, Any]]:
     the generic ``torch.accelerator`` API calls (patched there, below the Python functions,
     so user patches of ``torch.accelerator.*`` keep working)."""
     sched = sim.sched
-
-    class SimTorchStream(metaclass=_TorchStreamType):
-        """``torch.Stream`` while a simulator is open."""
-
-    class SimTorchEvent(metaclass=_TorchEventType):
-        """``torch.Event`` while a simulator is open."""
-
-    real_stream = torch.Stream if not isinstance(torch.Stream, _TorchStreamType) else \
-        torch.Stream.real
-    real_event = torch.Event if not isinstance(torch.Event, _TorchEventType) else \
-        torch.Event.real
-    SimTorchStream.real = real_stream  # type: ignore[attr-defined]
-    SimTorchEvent.real = real_event  # type: ignore[attr-defined]
-    SimTorchStream.__name__ = SimTorchStream.__qualname__ = "Stream"
-    SimTorchEvent.__name__ = SimTorchEvent.__qualname__ = "Event"
 
     def index(device: Any) -> int:
         if isinstance(device, int) and not isinstance(device, bool) and \
@@ -571,7 +558,7 @@ def _torch_level_names(sim: SimState) -> tuple[dict[str, Any], dict[str, Any]]:
             raise TypeError(f"set_stream() expects a simulated stream, got {stream!r}")
         sched.set_stream(stream)
 
-    top = {"Stream": SimTorchStream, "Event": SimTorchEvent}
+    top = {"Stream": TorchStream, "Event": TorchEvent}
     c = {
         "_accelerator_getAccelerator": lambda: torch.device("cuda"),
         "_get_accelerator": lambda *a: torch.device("cuda"),
