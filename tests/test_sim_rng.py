@@ -225,8 +225,16 @@ def test_each_random_kernel_replays_as_eager(name):
 
 def test_graphsafe_states_are_shared_and_clones_are_copies():
     """CUDA's graph-safe generator states: ``graphsafe_get_state`` shares the generator's
-    state, ``clone_state`` copies it, ``graphsafe_set_state`` switches a generator (and the
-    graphs that captured its kernels) to another state."""
+    state, ``clone_state`` copies it, ``graphsafe_set_state`` switches the generator to
+    another state; a captured kernel keeps the state it was captured with (CUDA's kernels
+    read that state's seed and offset at replay)."""
+    def at_seed_0(skip: int) -> list[float]:  # the numbers of seed 0 after `skip` draws
+        ref = torch.Generator(device="cuda")
+        ref.manual_seed(0)
+        for _ in range(skip):
+            torch.rand(4, device="cuda", generator=ref)
+        return torch.rand(4, device="cuda", generator=ref).tolist()
+
     with simulated_accelerator("lazy"):
         gen = torch.cuda.default_generators[0]
         gen.manual_seed(0)
@@ -241,9 +249,47 @@ def test_graphsafe_states_are_shared_and_clones_are_copies():
             g.capture_end()
         g.register_generator_state(copy)
         torch.cuda.current_stream().wait_stream(s)
-        gen.graphsafe_set_state(copy)  # from offset 0 of seed 0 again
-        g.replay()
-        first = out.tolist()
-        torch.cuda.manual_seed(0)
-        assert torch.rand(4, device="cuda").tolist() == first
-        assert copy.get_offset() == 4  # the generator and `copy` are one state now
+        gen.graphsafe_set_state(copy)  # the generator now draws from `copy` (seed 0, at 0)
+        g.replay()  # ... but the graph's kernel from the state it was captured with
+        assert out.tolist() == at_seed_0(1)
+        assert (shared.get_offset(), copy.get_offset()) == (8, 0)
+        assert torch.rand(4, device="cuda").tolist() == at_seed_0(0)
+        assert copy.get_offset() == gen.get_offset() == 4  # the generator and `copy`: one
+
+
+@pytest.mark.parametrize("mode,seed", SCHEDULES)
+def test_a_graph_over_two_registered_states_advances_each_by_its_own_kernels(mode, seed):
+    """PyTorch's test_graphsafe_set_get_rng_state: a graph that switches its generator
+    between two registered states draws each kernel from the state it was captured with, and
+    each replay moves each state on by its own kernels (4 per launch): the same offsets and
+    numbers as the kernels run eagerly on a second generator."""
+    def states(gen):
+        gen.manual_seed(0)
+        return gen.graphsafe_get_state(), gen.clone_state()
+
+    def draw(gen, old, new):
+        gen.graphsafe_set_state(new)
+        out = [torch.rand(5, device="cuda", generator=gen)]
+        gen.graphsafe_set_state(old)
+        return out + [torch.rand(5, device="cuda", generator=gen) for _ in range(2)]
+
+    with simulated_accelerator(mode, seed=seed):
+        eager_gen = torch.Generator(device="cuda")
+        e_old, e_new = states(eager_gen)
+        graph_gen = torch.cuda.default_generators[0]
+        g_old, g_new = states(graph_gen)
+        g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        g.register_generator_state(g_old)
+        g.register_generator_state(g_new)
+        with torch.cuda.stream(s):
+            g.capture_begin()
+            graphed = draw(graph_gen, g_old, g_new)
+            g.capture_end()
+        torch.cuda.current_stream().wait_stream(s)
+        assert (g_old.get_offset(), g_new.get_offset()) == (0, 0)  # (capture draws nothing)
+        for i in range(1, 4):
+            eager = draw(eager_gen, e_old, e_new)
+            g.replay()
+            assert (e_old.get_offset(), e_new.get_offset()) == (8 * i, 4 * i)
+            assert (g_old.get_offset(), g_new.get_offset()) == (8 * i, 4 * i)
+            assert [t.tolist() for t in graphed] == [t.tolist() for t in eager]

@@ -10,7 +10,9 @@ runs (every mode and schedule gives the same numbers), and:
 
 * seeding again, or restoring a saved state, replays the same sequence;
 * a kernel captured in a CUDA graph takes no offset at capture; each replay reserves the
-  graph's offsets from the generator's current state (4 per random kernel) and its kernels
+  graph's offsets from each generator state its kernels were captured with (4 per random
+  kernel; switching states with ``graphsafe_set_state`` after the capture does not move
+  them) and its kernels
   draw from them: fresh values at every replay, and the same values as the same kernels run
   eagerly from the same generator state (guaranteed by construction, for any number of
   generators, with the kernels in capture order);
@@ -163,8 +165,8 @@ class SimGenerator(_RealGenerator):
         return g
 
     def graphsafe_set_state(self, state: Any) -> SimGenerator:  # type: ignore[override]
-        """From now on this generator uses ``state``'s state (shared, not copied); graphs
-        that captured kernels of this generator draw from it at their next replay."""
+        """From now on this generator uses ``state``'s state (shared, not copied). Kernels
+        captured before keep the state they were captured with, as on CUDA."""
         if not isinstance(state, SimGenerator):
             raise TypeError(f"graphsafe_set_state() expects a simulated CUDA generator, got "
                             f"{state!r}")
@@ -234,10 +236,13 @@ def _note_captured(graph: Any, before: int, private: torch.Generator,
     if rng is None:
         rng = graph._rng_ops = {}
         graph._rng_count = {}
+    # keyed by the generator's state, not the generator: graphsafe_set_state between two
+    # captured kernels (a graph registers several states) gives each kernel its own state
+    st = gen._st
     counts = graph._rng_count
-    rel = counts.get(gen, 0)
-    counts[gen] = rel + 4
-    rng[id(ops[-1])] = (private, gen, rel, ops[-1])
+    rel = counts.get(id(st), (st, 0))[1]
+    counts[id(st)] = (st, rel + 4)
+    rng[id(ops[-1])] = (private, st, rel, ops[-1])
 
 
 def forget(graph: Any) -> None:
@@ -252,8 +257,8 @@ def replay_fn(graph: Any, op: Any, bases: dict[Any, int]) -> Any:
     entry = getattr(graph, "_rng_ops", {}).get(id(op))
     if entry is None:
         return op.fn
-    private, gen, rel, _ = entry
-    seed = _mix(gen.initial_seed(), bases[gen] + rel)
+    private, st, rel, _ = entry
+    seed = _mix(st[0], bases[id(st)] + rel)
     fn = op.fn
 
     def run(reads: Any) -> Any:
@@ -263,13 +268,13 @@ def replay_fn(graph: Any, op: Any, bases: dict[Any, int]) -> Any:
 
 
 def replay_bases(graph: Any) -> dict[Any, int]:
-    """A replay's launch: each generator its captured kernels use gives them its current
-    offset and moves on past them."""
+    """A replay's launch: each generator state its captured kernels drew from gives them its
+    current offset and moves on past them (keyed by the state's id)."""
     bases: dict[Any, int] = {}
     with _take_lock:
-        for gen, n in getattr(graph, "_rng_count", {}).items():
-            bases[gen] = gen._offset
-            gen._offset += n
+        for key, (st, n) in getattr(graph, "_rng_count", {}).items():
+            bases[key] = st[1]
+            st[1] += n
     return bases
 
 
