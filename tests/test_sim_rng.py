@@ -293,3 +293,23 @@ def test_a_graph_over_two_registered_states_advances_each_by_its_own_kernels(mod
             assert (e_old.get_offset(), e_new.get_offset()) == (8 * i, 4 * i)
             assert (g_old.get_offset(), g_new.get_offset()) == (8 * i, 4 * i)
             assert [t.tolist() for t in graphed] == [t.tolist() for t in eager]
+
+
+def test_random_kernels_leave_nothing_behind_per_call():
+    """Each random kernel runs through a wrapper made per call; the simulator's per-op plans
+    and shape cache are the aten op's, so a long run of random ops does not grow them (it
+    added two plans and two cache entries per op, never freed)."""
+    from pinstage._sim import _ops
+
+    with simulated_accelerator("eager"):
+        x = torch.empty(64, device="cuda")
+
+        def ops(n):
+            for _ in range(n):
+                x.uniform_()
+                torch.nn.functional.dropout(x, 0.5)
+                torch.rand(8, device="cuda")
+            return len(_ops._PLANS), len(_ops._META_CACHE)
+
+        first = ops(5)
+        assert ops(200) == first

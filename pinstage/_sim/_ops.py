@@ -103,6 +103,9 @@ _PLANS: dict[int, _Plan] = {}
 
 
 def _plan(func: Any) -> _Plan:
+    # a wrapper made per call (a random kernel's _Seeded) shares its aten op's plan: keyed
+    # by the wrapper, every random op added a plan, and a shape-cache entry, never freed
+    func = getattr(func, "sim_wrapped", func)
     plan = _PLANS.get(id(func))
     if plan is None:
         plan = _PLANS[id(func)] = _Plan(func)
@@ -237,7 +240,7 @@ def _deferred(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> An
     device: Any = None
     proxy = False
     cacheable = True
-    parts: list[Any] = [id(func), spec]  # (the plan holds func: its id stays its own)
+    parts: list[Any] = [id(plan.func), spec]  # (the plan holds it: its id stays its own)
     inner_flat: list[Any] = []
     dev_reads: list[torch.Tensor] = []
     uva: list[Any] = []

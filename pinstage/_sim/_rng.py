@@ -304,6 +304,11 @@ class _Seeded:
             return self.func(*args, **kwargs)
         return self.func(*args, **kwargs, generator=self.private)
 
+    @property
+    def sim_wrapped(self) -> Any:
+        """The aten op itself (the simulator's per-op plans and shape cache are its)."""
+        return self.func
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.func, name)
 
