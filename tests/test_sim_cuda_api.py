@@ -375,3 +375,38 @@ def test_simulated_streams_and_events_are_torch_stream_and_event_subclasses():
         assert type(cpu) is real_stream and isinstance(cpu, torch.Stream)
         assert issubclass(real_stream, torch.Stream)
     assert torch.Stream is real_stream and torch.Event is real_event
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy", "random"])
+def test_sync_batchnorm_statistics_kernels_cuda_has_and_a_cpu_build_lacks(mode):
+    """torch.batch_norm_stats / _gather_stats(_with_counts) / _elemt (SyncBatchNorm's
+    kernels; PyTorch's test_batch_norm_gather_stats) run on simulated tensors, with the
+    whole batch's statistics of torch's CPU ops as the reference."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 3, 4, 5, dtype=torch.float64)
+    mean_ref, var_ref = x.mean((0, 2, 3)), x.var((0, 2, 3), unbiased=False)
+    with simulated_accelerator(mode):
+        xc = x.cuda()
+        mean, invstd = torch.batch_norm_stats(xc, 1e-5)
+        assert torch.allclose(mean.cpu(), mean_ref)
+        assert torch.allclose(invstd.cpu(), (var_ref + 1e-5).rsqrt())
+        parts = [torch.batch_norm_stats(p, 1e-5) for p in (xc[:2], xc[2:])]  # 40 and 80 each
+        means = torch.stack([m for m, _ in parts])
+        invstds = torch.stack([s for _, s in parts])
+        run_mean = torch.zeros(3, dtype=torch.float64, device="cuda")
+        run_var = torch.ones(3, dtype=torch.float64, device="cuda")
+        counts = torch.tensor([40.0, 80.0], dtype=torch.float64, device="cuda")
+        g_mean, g_invstd = torch.batch_norm_gather_stats_with_counts(
+            xc, means, invstds, run_mean, run_var, 0.1, 1e-5, counts)
+        assert torch.allclose(g_mean.cpu(), mean_ref)
+        assert torch.allclose(g_invstd.cpu(), (var_ref + 1e-5).rsqrt())
+        assert torch.allclose(run_mean.cpu(), 0.1 * mean_ref)
+        assert torch.allclose(run_var.cpu(), 0.9 + 0.1 * x.var((0, 2, 3), unbiased=True))
+        y = torch.batch_norm_elemt(xc, None, None, g_mean, g_invstd, 1e-5)
+        ref = torch.nn.functional.batch_norm(x, None, None, training=True, eps=1e-5)
+        assert torch.allclose(y.cpu(), ref)
+        m, s = torch.batch_norm_gather_stats(torch.randn(1, 3, 3, 3, device="cuda"),
+                                             torch.ones(2, 3, device="cuda"),
+                                             torch.ones(2, 3, device="cuda"),
+                                             None, None, 0.1, 1e-5, 2)
+        assert m.device.type == "cuda" and m.tolist() == [1.0] * 3 and s.tolist() == [1.0] * 3

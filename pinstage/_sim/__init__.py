@@ -27,7 +27,7 @@ import torch
 from .. import _registry, _state
 from .._device import Backend
 from .._errors import HazardError
-from . import _kernels, _ops, _tensor, _torch_cuda
+from . import _cuda_only, _kernels, _ops, _tensor, _torch_cuda  # noqa: F401 (registers)
 from ._core import SimState, active, current, set_active
 from ._sched import MODES, SimStats
 
