@@ -27,6 +27,7 @@ import torch
 
 __all__ = ["Allocator", "Handle", "cuda_names", "new_pool_id", "pool_id_of", "ROUND"]
 
+_SPAN = "_pinstage_sim_span"  # (_races' attribute of a tensor's span)
 ROUND = 512  # block sizes are multiples of this, as in PyTorch's allocator
 TOTAL = 80 * 2**30  # the device memory reported when no limit is set
 # Free cached blocks kept at most (the device's memory is the host's here: a long session of
@@ -35,7 +36,7 @@ CACHE_KEEP = 256 * 2**20
 
 
 class _Block:
-    __slots__ = ("buf", "pending", "pool", "size", "stream", "views")
+    __slots__ = ("buf", "pending", "pool", "region", "size", "stream", "views")
 
     def __init__(self, buf: torch.Tensor, size: int, stream: Any, pool: Any = None) -> None:
         self.buf, self.size, self.stream = buf, size, stream
@@ -45,6 +46,7 @@ class _Block:
         self.pool = pool
         self.pending: list[tuple[Any, int, dict[int, int]]] = []  # (stream, seq, clock)
         self.views: dict[torch.dtype, torch.Tensor] = {}  # the whole block, per dtype
+        self.region: Any = None  # what the race tracker knows of its memory (its _region)
 
 
 _ITEMSIZE: dict[torch.dtype, int] = {}
@@ -216,7 +218,17 @@ class Allocator:
         typed = block.views.get(dtype)
         if typed is None:  # (a block's size is a multiple of every dtype's size)
             typed = block.views[dtype] = block.buf.view(dtype)
-        return typed.as_strided(shape, stride), Handle(self, block), new
+        view = typed.as_strided(shape, stride)
+        races = stream.sched.races
+        held = block.region
+        if held is None or held[0] is not races:
+            held = block.region = races._region(block.buf)
+        numel = 1
+        for d in shape:
+            numel *= d
+        ptr = view.data_ptr()  # (the race tracker's span of it, known here: see _races._span)
+        setattr(view, _SPAN, (ptr, numel, ptr, ptr + nbytes, held))
+        return view, Handle(self, block), new
 
     def _take(self, size: int, stream: Any) -> tuple[_Block, bool]:
         self._collect()
@@ -234,7 +246,11 @@ class Allocator:
             for i, block in enumerate(pool):
                 if size <= block.size <= 2 * size:
                     del pool[i]
-                    stream.sched.races.reused(block.buf)
+                    held = block.region
+                    if held is not None and held[0] is stream.sched.races:
+                        held[3] += 1  # (the tracker's reused(), its region known)
+                    else:
+                        stream.sched.races.reused(block.buf)
                     return self._use(block), False
         if size >= _ONE_EB:
             self.counts["num_ooms"] += 1

@@ -73,7 +73,7 @@ class _Plan:
     """What ``func``'s schema says, worked out once per overload: which arguments it writes
     and which argument each return aliases (in-place / out=)."""
 
-    __slots__ = ("cpu_ok", "func", "name", "packet", "rets", "scatter", "writes")
+    __slots__ = ("cpu_ok", "func", "name", "out_fn", "packet", "rets", "scatter", "writes")
 
     def __init__(self, func: Any) -> None:
         schema = func._schema
@@ -95,6 +95,28 @@ class _Plan:
                               a.alias_info.is_write and
                               set(a.alias_info.before_set) & set(info.before_set)))
         self.rets = tuple(rets)
+        self.out_fn = _out_variant(func) if not self.writes and len(schema.returns) == 1 \
+            else None
+
+
+def _out_variant(func: Any) -> Any:
+    """The ``out=`` overload of a functional op of one result (``add.Tensor`` ->
+    ``add.out``), when its schema is the functional one plus a keyword-only ``out``: the
+    kernel then writes straight into the output's memory (no temporary and copy)."""
+    if torch.Tag.nondeterministic_seeded in func.tags:
+        return None  # (a random op's out= kernel may draw its numbers differently)
+    packet, name = func.overloadpacket, func._overloadname
+    args = [(a.name, str(a.type)) for a in func._schema.arguments]
+    for cand in (f"{name}_out", "out") if name in ("default", "Tensor") else (f"{name}_out",):
+        over = getattr(packet, cand, None)
+        if over is None:
+            continue
+        oargs = over._schema.arguments
+        if [(a.name, str(a.type)) for a in oargs[:-1]] == args and oargs and \
+                oargs[-1].name == "out" and oargs[-1].kwarg_only and \
+                len(over._schema.returns) == 1:
+            return over
+    return None
 
 
 # id(OpOverload) -> its plan: torch's OpOverload objects are made once per overload, and
@@ -328,9 +350,13 @@ def _deferred(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> An
     elif seed is None and len(fresh) == 1 and fresh[0][0] == 0 and \
             isinstance(meta_out, torch.Tensor):
         out0 = fresh[0][1]
-
-        def run(_: list[torch.Tensor]) -> None:  # (the common case: one fresh output)
-            out0.copy_(func(*ia, **ik))
+        out_fn = plan.out_fn
+        if out_fn is not None:
+            def run(_: list[torch.Tensor]) -> None:  # (the common case: into its memory)
+                out_fn(*ia, **ik, out=out0)
+        else:
+            def run(_: list[torch.Tensor]) -> None:  # (one fresh output)
+                out0.copy_(func(*ia, **ik))
     else:
         def run(_: list[torch.Tensor]) -> None:
             a, k = ia, ik

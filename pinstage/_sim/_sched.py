@@ -495,6 +495,23 @@ class Scheduler:
             if len(stream.queue) >= MAX_QUEUED:  # the launch queue is full: the host waits
                 self._stall(in_pinstage_call())
                 self.run_until(stream, stream.queue[0].seq)
+            if self.mode == "eager" and not stream.queue and op.ms < SPIN_MS and (
+                    not op.deps or all(d.done >= q for d, q in op.deps)):
+                # (the common case: nothing queued ahead and nothing to wait for, so the op
+                # runs now, without the round trip through the queue)
+                stream.last += 1
+                op.stream, op.seq = stream, stream.last
+                stream.t += op.ms
+                try:
+                    self._run_op(op)
+                except Exception:  # (an error it raises retires it, as in run_until)
+                    stream.done = op.seq
+                    raise
+                except BaseException:  # (interrupted: still queued, to run at the next wait)
+                    stream.queue.append(op)
+                    raise
+                stream.done = op.seq
+                return
             stream.last += 1
             op.stream, op.seq = stream, stream.last
             stream.t += op.ms
