@@ -350,7 +350,9 @@ def _deferred(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> An
     elif seed is None and len(fresh) == 1 and fresh[0][0] == 0 and \
             isinstance(meta_out, torch.Tensor):
         out0 = fresh[0][1]
-        out_fn = plan.out_fn
+        # (a _HostKernel wrapper, e.g. batch_norm_elemt, shares its aten op's plan but must
+        # keep its own functional run: the CPU build lacks the aten op's out= kernel)
+        out_fn = plan.out_fn if func is plan.func else None
         if out_fn is not None:
             def run(_: list[torch.Tensor]) -> None:  # (the common case: into its memory)
                 out_fn(*ia, **ik, out=out0)
