@@ -223,10 +223,72 @@ def test_nonblocking_d2h_destination_is_poisoned_until_the_copy_runs():
         fout = torch.empty(2, pin_memory=True)
         out.copy_(d, non_blocking=True)
         fout.copy_(f, non_blocking=True)
-        assert out.tolist() == [torch.iinfo(torch.int64).min] * 4  # read too early
-        assert torch.isnan(fout).all()
+        # read too early, through NumPy (a torch op reading it is a HazardError: below)
+        assert out.numpy().tolist() == [torch.iinfo(torch.int64).min] * 4
+        assert np.isnan(fout.numpy()).all()
         sim.synchronize()
         assert out.tolist() == [0, 1, 2, 3] and fout.tolist() == [1.0, 1.0]
+
+
+_HOST_OPS = {
+    "tolist": lambda h: h.tolist(),
+    "print": lambda h: str(h),
+    "item": lambda h: h[0].item(),
+    "elementwise read": lambda h: h + 1,
+    "in-place write": lambda h: h.add_(1),
+    "setitem": lambda h: h.__setitem__(0, 7.0),
+    "copy into it": lambda h: h.copy_(torch.zeros(4)),
+    "copy from it": lambda h: torch.zeros(4).copy_(h),
+}
+_HOST_WAITS = {
+    "synchronize": lambda s, e: torch.cuda.synchronize(),
+    "stream.synchronize": lambda s, e: s.synchronize(),
+    "event.synchronize": lambda s, e: e.synchronize(),
+    "event.query": lambda s, e: [torch.cuda.synchronize(), e.query()],
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_host_access_to_pinned_memory_the_device_may_still_use_is_a_hazard(mode):
+    """A host op on pinned memory a queued copy still writes (non-blocking D2H) or reads
+    (non-blocking H2D: only the host's writes race) raises when the host makes it, in every
+    mode (in eager the copy has run already: on a GPU nothing says it has); once the host
+    waited for the copy, the same op is fine."""
+    for name, op in _HOST_OPS.items():
+        with simulated_accelerator(mode):  # device-to-host: every host access races
+            d = torch.arange(4, dtype=torch.float32, device="cuda")
+            h = torch.empty(4, pin_memory=True)
+            h.copy_(d, non_blocking=True)
+            with pytest.raises(HazardError, match=r"host race \((read|write)-after-write\)"):
+                op(h)
+            torch.cuda.synchronize()
+            assert h.tolist() == [0.0, 1.0, 2.0, 3.0], name  # (the failed op lost nothing)
+        with simulated_accelerator(mode):  # host-to-device: the host's writes race
+            h = torch.arange(4, dtype=torch.float32).pin_memory()
+            d = torch.empty(4, device="cuda")
+            d.copy_(h, non_blocking=True)
+            if name in ("in-place write", "setitem", "copy into it"):
+                with pytest.raises(HazardError, match=r"host race \(write-after-read\)"):
+                    op(h)
+            else:
+                op(h)
+            assert d.tolist() == [0.0, 1.0, 2.0, 3.0], name
+    for wait in _HOST_WAITS.values():
+        with simulated_accelerator(mode):
+            d = torch.arange(4, dtype=torch.float32, device="cuda")
+            h = torch.empty(4, pin_memory=True)
+            s = torch.cuda.current_stream()
+            h.copy_(d, non_blocking=True)
+            e = torch.cuda.Event()
+            e.record()
+            wait(s, e)
+            for op in _HOST_OPS.values():
+                op(h)  # (no error: the host waited)
+    with simulated_accelerator(mode):  # pageable memory is the host's alone: never a race
+        d = torch.arange(4, dtype=torch.float32, device="cuda")
+        p = torch.zeros(4)
+        p.add_(1)
+        assert p.tolist() == [1.0] * 4
 
 
 def test_host_write_into_a_pending_d2h_destination_is_a_hazard():

@@ -42,6 +42,7 @@ class SimState:
         self.device = torch.device("cuda", 0)
         self.sched = Scheduler(mode, seed, device_count)
         self.pinned = PinnedRanges()  # torch-pinned blocks and pinstage registrations
+        self.sched.races.is_host = self.pinned.is_pinned  # (host races: see _races)
         self.backends: dict[int, Any] = {}  # pinstage's backend per device index
         limit = None
         if memory is not None:

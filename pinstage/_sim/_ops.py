@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 from .._callsite import call_site
 from ._core import SimState
 from ._hazards import HostRead, poison_, span
+from ._races import schema_writes
 from ._sched import Op
 from ._tensor import (
     _DEV,
@@ -83,8 +84,7 @@ class _Plan:
         self.cpu_ok = packet in _CPU_OK
         self.scatter = packet in _SCATTERS
         params = list(enumerate(schema.arguments))
-        self.writes = tuple((j, a.name) for j, a in params
-                            if a.alias_info is not None and a.alias_info.is_write)
+        self.writes = schema_writes(func)
         rets: list[tuple[tuple[int, str], ...] | None] = []
         for r in schema.returns:
             info = r.alias_info

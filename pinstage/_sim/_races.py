@@ -14,6 +14,12 @@ ranges: the writes not yet superseded and the reads since. An access that overla
 conflicting one (read after write, write after read, write after write) on another stream,
 and is not ordered after it, raises :class:`HazardError` naming both: what, which stream,
 which tensor, and the user's line that queued each.
+
+Pinned host memory is memory the device reaches too (a non-blocking copy's source or
+destination, a kernel's UVA view): the host's own torch ops on it (``.tolist()``, ``print``,
+an in-place write, a copy into it) are checked against the device accesses queued on it that
+the host has not waited for, in every mode (eager included, where the copy may have run
+already: on a GPU nothing says it has). Host writes through a NumPy view are not seen.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ _USER_CODE: dict[int, tuple[Any, bool]] = {}
 
 class _Entry(threading.local):
     frame: Any = None
+    host_op = False  # a torch call the user's code makes on host tensors is running
 
 
 # The frame that called the torch function being simulated now, on this thread (set by the
@@ -111,6 +118,12 @@ class RaceTracker:
         self.clocks: dict[int, dict[int, int]] = {}  # stream id -> {other stream id: seq}
         self.host: dict[int, int] = {}  # what the host has waited for
         self.enabled = True
+        # is this host tensor's memory pinned (the simulator's rule; set when it opens):
+        # pinned storages are the host memory queued device work may use
+        self.is_host: Any = None
+        # id(region) -> region of pinned host memory with device accesses the host may not
+        # have waited for (what the host's own ops are checked against; empty: no checks)
+        self.watch: dict[int, list[Any]] = {}
 
     # -- clocks ------------------------------------------------------------------------------
     def snapshot(self, stream: Any) -> dict[int, int]:
@@ -139,6 +152,8 @@ class RaceTracker:
         for k, v in vc.items():
             if host.get(k, 0) < v:
                 host[k] = v
+        if self.watch:
+            self._prune()
 
     def host_waited(self, stream: Any, seq: int) -> None:
         """The host waited until ``stream`` ran up to ``seq``."""
@@ -146,14 +161,27 @@ class RaceTracker:
             self.host_join(self.snapshot(stream))
         elif self.host.get(stream.stream_id, 0) < seq:
             self.host[stream.stream_id] = seq
+            if self.watch:
+                self._prune()
+
+    def _prune(self) -> None:
+        """Forget the watched host regions whose device accesses the host has waited for."""
+        host = self.host
+        for key, held in list(self.watch.items()):
+            if not any(host.get(p[_SID], 0) < p[_SEQ] for p in held[1]) and \
+                    not any(host.get(p[_SID], 0) < p[_SEQ] for p in held[2]):
+                del self.watch[key]
 
     def _region(self, t: torch.Tensor) -> list[Any]:
         """What is known of ``t``'s storage: [this tracker, writes not covered by a later
-        one, reads since, how many times the caching allocator handed it out again]."""
+        one, reads since, how many times the caching allocator handed it out again, whether
+        it is pinned host memory]."""
         storage = t.untyped_storage()
         held = getattr(storage, _ATTR, None)
         if held is None or held[0] is not self:
-            held = [self, [], [], 0]
+            host = t.device.type == "cpu" and self.is_host is not None and \
+                bool(self.is_host(t))
+            held = [self, [], [], 0, host]
             setattr(storage, _ATTR, held)
         return held  # type: ignore[no-any-return]
 
@@ -220,6 +248,8 @@ class RaceTracker:
             todo.append((held, a, False))
         for held, a, write in todo:  # all checked: record them, dropping what they cover
             lo, hi = a[_LO], a[_HI]
+            if held[4]:  # pinned host memory: the host's own ops on it are checked now
+                self.watch[id(held)] = held
             if write:
                 if held[1]:
                     held[1] = [p for p in held[1] if p[_LO] < lo or p[_HI] > hi]
@@ -237,6 +267,74 @@ class RaceTracker:
                         p[_SID] != sid and mine.get(p[_SID], 0) < p[_SEQ] and
                         host.get(p[_SID], 0) < p[_SEQ])]
                 r.append(a)
+
+
+    # -- the host's own accesses to pinned memory ------------------------------------------
+    def host_access(self, what: str, reads: Any = (), writes: Any = ()) -> None:
+        """The host's ``what`` reads ``reads`` and writes ``writes`` (host tensors) now:
+        ``HazardError`` if queued device work the host has not waited for writes them (or,
+        for a write, reads them)."""
+        if not self.enabled or not self.watch:
+            return
+        with _PLAIN():
+            for t in writes:
+                self._host_check(what, t, True)
+            for t in reads:
+                if not any(t is w for w in writes):
+                    self._host_check(what, t, False)
+
+    def _host_check(self, what: str, t: Any, write: bool) -> None:
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.numel():
+            return
+        held = getattr(t.untyped_storage(), _ATTR, None)
+        if held is None or held[0] is not self or id(held) not in self.watch:
+            return
+        lo, hi = _range(t)
+        host = self.host
+        for prevs, verb in ((held[1], "writes"), (held[2] if write else (), "reads")):
+            for p in prevs:
+                if p[_LO] < hi and lo < p[_HI] and host.get(p[_SID], 0) < p[_SEQ]:
+                    raise _host_error(what, t, lo, hi, write, p, verb)
+
+
+def _host_error(what: str, t: torch.Tensor, lo: int, hi: int, write: bool, prev: Access,
+                prev_verb: str) -> HazardError:
+    kind = "write" if write else "read"
+    file, line = _where()
+    return HazardError(
+        f"host race ({kind}-after-{prev_verb[:-1]}): {what} on the host {kind}s a {t.dtype} "
+        f"tensor of shape {tuple(t.shape)} in pinned memory (bytes {lo:#x}-{hi:#x}) at "
+        f"{file}:{line}, while {_describe(prev, prev_verb)}, and the host has not waited for "
+        "it (no synchronize(), Event.synchronize() or Stream.synchronize() after it was "
+        "queued). On a GPU that work may not have run yet: "
+        + ("the host would read what was there before it." if not write else
+           "the device could see the host's new values, or the host's write be lost."))
+
+
+_WRITES: dict[int, tuple[Any, tuple[tuple[int, str], ...]]] = {}
+
+
+def schema_writes(func: Any) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument aten op ``func`` writes (its schema's mutable
+    arguments, ``out=`` included), worked out once per op."""
+    known = _WRITES.get(id(func))
+    if known is None or known[0] is not func:
+        known = _WRITES[id(func)] = (func, tuple(
+            (j, a.name) for j, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write))
+    return known[1]  # type: ignore[no-any-return]
+
+
+def host_written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[Any]:
+    """The tensors of ``args``/``kwargs`` that aten op ``func`` writes."""
+    out: list[Any] = []
+    for j, name in schema_writes(func):
+        v = kwargs.get(name, args[j] if j < len(args) else None)
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out.extend(x for x in v if isinstance(x, torch.Tensor))
+    return out
 
 
 _EMPTY: dict[int, int] = {}

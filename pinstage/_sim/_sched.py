@@ -28,7 +28,8 @@ from .._callsite import in_pinstage_call
 from ._hazards import HostRead
 from ._races import RaceTracker
 
-__all__ = ["Op", "SimStream", "SimEvent", "SimStats", "Scheduler", "MAX_QUEUED", "MODES"]
+__all__ = ["Op", "SimStream", "SimEvent", "SimStats", "Scheduler", "MAX_QUEUED", "MODES",
+           "in_kernel"]
 
 MODES = ("eager", "lazy", "random")
 MAX_QUEUED = 1024  # per stream, like a GPU's launch queue: one more makes the host wait
@@ -301,6 +302,12 @@ class _Tls(threading.local):
 
 
 _tls = _Tls()
+
+
+def in_kernel() -> bool:
+    """Whether this thread is running a simulated op's body now (its torch calls are the
+    kernel's, not the host's)."""
+    return _tls.running
 
 
 class Scheduler:

@@ -16,6 +16,7 @@ that catch ``device="cuda"`` before any dispatch.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -28,7 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._core import SimState, active, current
 from ._races import entry as _race_entry
-from ._sched import Op
+from ._races import host_written
+from ._sched import Op, in_kernel
 
 __all__ = ["SimDispatchMode", "SimFunctionMode", "SimTensor", "OPS", "register_op",
            "register_default", "enter_modes", "spread_to_new_threads", "stop_spreading",
@@ -732,7 +734,51 @@ class SimFunctionMode(TorchFunctionMode):
             # SimTensor.__torch_function__ (most of the cost of a small simulated op is such
             # round trips)
             return _torch_function(func, args, kwargs)
+        if sim.sched.races.watch and not in_kernel() and \
+                all(t is torch.Tensor for t in types):
+            frame = _race_entry.frame
+            if frame is not None and not frame.f_code.co_filename.startswith(_SIM_DIR):
+                return _host_op(sim, func, args, kwargs)
         return func(*args, **kwargs)
+
+
+# the simulator's own files: their torch calls on host memory are its own, never the user's
+_SIM_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _host_op(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """A torch call of the user's on host tensors while pinned memory has device accesses
+    the host has not waited for: the aten ops it runs are checked (SimDispatchMode)."""
+    what = _READ_WITHOUT_DISPATCH.get(func)
+    if what is not None and args and isinstance(args[0], torch.Tensor):
+        sim.sched.races.host_access(what, (args[0],))
+    e = _race_entry
+    prev = e.host_op
+    e.host_op = True
+    try:
+        return func(*args, **kwargs)
+    finally:
+        e.host_op = prev
+
+
+# Tensor methods that read a host tensor's data with no aten op the dispatch mode would see
+# (tolist reads it in C++; printing turns the dispatch modes off)
+_READ_WITHOUT_DISPATCH = {_T.tolist: ".tolist()", _T.__repr__: "repr()", _T.__str__: "str()",
+                          _T.__format__: "format()"}
+
+# host ops that read no tensor data (a shape, a stride, a new empty tensor)
+_METADATA_ONLY = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty,
+                  aten.new_empty_strided, aten.zeros_like, aten.ones_like, aten.full_like,
+                  aten.is_pinned, aten.sym_size, aten.sym_stride, aten.sym_numel,
+                  aten.sym_storage_offset, aten.detach, aten.alias, aten.lift_fresh}
+
+
+def _check_host_op(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
+    if func.is_view or func.overloadpacket in _METADATA_ONLY:
+        return
+    reads = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    sim.sched.races.host_access(func.overloadpacket.__name__, reads,
+                                host_written(func, args, kwargs))
 
 
 class SimDispatchMode(TorchDispatchMode):
@@ -758,6 +804,10 @@ class SimDispatchMode(TorchDispatchMode):
             if types and all(t is SimTensor or t is Proxy for t in types):
                 # what ``func(...)`` would do next: the simulated tensors' own dispatch
                 return _torch_dispatch(func, args, kwargs)
+            if _race_entry.host_op:  # (the user's op on host memory: see _host_op)
+                sim = current()
+                if sim is not None:
+                    _check_host_op(sim, func, args, kwargs)
             return func(*args, **kwargs)
         sim = current()
         if sim is not None and _is_cuda(device) and \
@@ -783,6 +833,12 @@ _EMPTY_OPS = {aten.empty, aten.empty_strided, aten.new_empty, aten.new_empty_str
 def _mode_copy_(self: torch.Tensor, src: Any, non_blocking: bool = False) -> torch.Tensor:
     if is_device(self) or is_device(src):
         return _copy_(self, src, non_blocking)
+    sim = current()
+    if sim is not None and sim.sched.races.watch and not in_kernel():
+        frame = _race_entry.frame
+        if frame is not None and not frame.f_code.co_filename.startswith(_SIM_DIR):
+            sim.sched.races.host_access("copy_", (src,) if isinstance(src, torch.Tensor)
+                                        else (), (self,))
     with torch._C.DisableTorchFunction():
         return self.copy_(src, non_blocking)
 
