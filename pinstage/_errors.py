@@ -85,8 +85,9 @@ class HiddenSyncError(PinstageError, RuntimeError):
 
 class HazardError(PinstageError, RuntimeError):
     """The simulated CUDA found what would be garbage or a crash on a GPU: host memory that
-    queued device work reads was changed or freed before it ran, a pending device-to-host
-    destination was written by the host, or two streams touched memory without ordering."""
+    queued device work reads was changed or freed before it ran, pinned memory that queued
+    device work writes read or written by the host before it waited, or two streams touched
+    memory without ordering."""
 
 
 # Where users import them from (``repr`` and tracebacks show these paths).
