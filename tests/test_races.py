@@ -326,3 +326,37 @@ def test_memory_freed_and_reused_does_not_inherit_old_accesses():
             fresh.fill_(1.0)  # nothing earlier touched this storage
             assert fresh.sum().item() == 16.0
             del t
+
+
+@pytest.mark.parametrize("mode,seed", SCHEDULES)
+def test_strided_accesses_race_only_where_their_elements_meet(mode, seed):
+    """Column blocks of one matrix interleave in memory: two streams writing a[:, :2] and
+    a[:, 2:] share no byte (no race, whatever the byte ranges' hulls say), a[:, :3] and
+    a[:, 2:] share column 2 (a race); a strided write does not cover the bytes between its
+    elements, so an earlier access there is still checked."""
+    with simulated_accelerator(mode, seed=seed):
+        a = torch.zeros(4, 4, device="cuda")
+        s1 = torch.cuda.Stream()
+        s1.wait_stream(torch.cuda.current_stream())  # (after the zeros)
+        with torch.cuda.stream(s1):
+            a[:, :2].add_(1)
+        a[:, 2:].add_(2)  # (disjoint columns: no race)
+        torch.cuda.current_stream().wait_stream(s1)
+        assert a.tolist() == [[1.0, 1.0, 2.0, 2.0]] * 4
+    with pytest.raises(HazardError, match=r"write-after-write"):
+        with simulated_accelerator(mode, seed=seed):
+            a = torch.zeros(4, 4, device="cuda")
+            s1 = torch.cuda.Stream()
+            s1.wait_stream(torch.cuda.current_stream())  # (after the zeros)
+            with torch.cuda.stream(s1):
+                a[:, :3].add_(1)
+            a[:, 2:].add_(2)  # (column 2 is both's)
+    with pytest.raises(HazardError, match=r"read-after-write"):
+        with simulated_accelerator(mode, seed=seed):
+            a = torch.zeros(4, 4, device="cuda")
+            s1 = torch.cuda.Stream()
+            s1.wait_stream(torch.cuda.current_stream())  # (after the zeros)
+            with torch.cuda.stream(s1):
+                a[:, 1].fill_(1)
+            a[:, ::2].fill_(2)  # (columns 0 and 2: their hull holds column 1, not its bytes)
+            a.sum()  # reads s1's columns, unordered

@@ -227,7 +227,8 @@ class Allocator:
         for d in shape:
             numel *= d
         ptr = view.data_ptr()  # (the race tracker's span of it, known here: see _races._span)
-        setattr(view, _SPAN, (ptr, numel, ptr, ptr + nbytes, held))
+        if view.is_contiguous():  # (else _races works out its strided span)
+            setattr(view, _SPAN, (ptr, numel, ptr, ptr + nbytes, held, None))
         return view, Handle(self, block), new
 
     def _take(self, size: int, stream: Any) -> tuple[_Block, bool]:

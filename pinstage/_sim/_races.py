@@ -28,6 +28,7 @@ import sys
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import _callsite
@@ -77,9 +78,10 @@ def _where() -> tuple[str, int]:
 
 # One read or write by work queued on a stream, as a tuple (made on every access: a tuple is
 # several times cheaper than an object): what, stream, its id, position, the user's
-# (file, line), bytes [lo, hi), shape, dtype, which owner of reused memory made it.
+# (file, line), bytes [lo, hi), shape, dtype, which owner of reused memory made it, and its
+# strides when it is not contiguous (then not every byte of [lo, hi) is its own).
 Access = tuple[Any, ...]
-_WHAT, _STREAM, _SID, _SEQ, _SITE, _LO, _HI, _SHAPE, _DTYPE, _OWNER = range(10)
+_WHAT, _STREAM, _SID, _SEQ, _SITE, _LO, _HI, _SHAPE, _DTYPE, _OWNER, _STRIDE = range(11)
 
 
 def _describe(a: Access, verb: str) -> str:
@@ -200,21 +202,22 @@ class RaceTracker:
         with _PLAIN():  # (tensor methods here must not go through the simulator's modes)
             self._access(stream, seq, what, reads, writes, where)
 
-    def _span(self, t: torch.Tensor, n: int) -> tuple[int, int, list[Any]]:
+    def _span(self, t: torch.Tensor, n: int) -> tuple[int, int, list[Any], Any]:
         """``_range(t)`` and ``_region(t)`` of ``t`` (``n`` elements), kept on the tensor
         object: the simulator's tensors are used again and again (checked by its address and
         size, which a new storage or a resize changes)."""
         ptr = t.data_ptr()
         known = getattr(t, _SPAN, None)
         if known is not None and known[0] == ptr and known[1] == n and known[4][0] is self:
-            return known[2], known[3], known[4]
+            return known[2], known[3], known[4], known[5]
         lo, hi = _range(t)
         held = self._region(t)
+        strides = None if t.is_contiguous() else tuple(t.stride())
         try:
-            setattr(t, _SPAN, (ptr, n, lo, hi, held))
+            setattr(t, _SPAN, (ptr, n, lo, hi, held, strides))
         except (AttributeError, TypeError):  # (a tensor type without attributes)
             pass
-        return lo, hi, held
+        return lo, hi, held, strides
 
     def _access(self, stream: Any, seq: int, what: str, reads: Any, writes: Any,
                 where: tuple[str, int] | None) -> None:
@@ -227,30 +230,35 @@ class RaceTracker:
             n = t.numel()
             if not n:
                 continue
-            lo, hi, held = self._span(t, n)
-            a: Access = (what, stream, sid, seq, site, lo, hi, t.shape, t.dtype, held[3])
+            lo, hi, held, st = self._span(t, n)
+            a: Access = (what, stream, sid, seq, site, lo, hi, t.shape, t.dtype, held[3], st)
             for prevs, verb in ((held[2], "reads"), (held[1], "writes")):  # (CSAN's order)
                 for p in prevs:
                     if p[_SID] != sid and p[_LO] < hi and lo < p[_HI] and \
-                            mine.get(p[_SID], 0) < p[_SEQ] and host.get(p[_SID], 0) < p[_SEQ]:
+                            mine.get(p[_SID], 0) < p[_SEQ] and \
+                            host.get(p[_SID], 0) < p[_SEQ] and \
+                            ((st is None and p[_STRIDE] is None) or _overlaps(a, p)):
                         raise _error("write", a, p, verb)
             todo.append((held, a, True))
         for t in reads:
             n = t.numel()
             if not n or (writes and any(t is w for w in writes)):
                 continue  # (read and written: the write's checks cover both)
-            lo, hi, held = self._span(t, n)
-            a = (what, stream, sid, seq, site, lo, hi, t.shape, t.dtype, held[3])
+            lo, hi, held, st = self._span(t, n)
+            a = (what, stream, sid, seq, site, lo, hi, t.shape, t.dtype, held[3], st)
             for p in held[1]:
                 if p[_SID] != sid and p[_LO] < hi and lo < p[_HI] and \
-                        mine.get(p[_SID], 0) < p[_SEQ] and host.get(p[_SID], 0) < p[_SEQ]:
+                        mine.get(p[_SID], 0) < p[_SEQ] and host.get(p[_SID], 0) < p[_SEQ] and \
+                        ((st is None and p[_STRIDE] is None) or _overlaps(a, p)):
                     raise _error("read", a, p, "writes")
             todo.append((held, a, False))
         for held, a, write in todo:  # all checked: record them, dropping what they cover
             lo, hi = a[_LO], a[_HI]
             if held[4]:  # pinned host memory: the host's own ops on it are checked now
                 self.watch[id(held)] = held
-            if write:
+            if a[_STRIDE] is not None:  # (strided: it covers only some bytes of [lo, hi))
+                held[1 if write else 2].append(a)
+            elif write:
                 if held[1]:
                     held[1] = [p for p in held[1] if p[_LO] < lo or p[_HI] > hi]
                 if held[2]:
@@ -338,6 +346,42 @@ def host_written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[Any]:
 
 
 _EMPTY: dict[int, int] = {}
+_PRECISE = 1 << 22  # elements: a larger strided access is taken to touch all of [lo, hi)
+
+
+def _starts(a: Access) -> tuple[Any, int]:
+    """The sorted start addresses of the byte runs access ``a`` touches, and their length."""
+    if a[_STRIDE] is None:
+        return np.array([a[_LO]], dtype=np.int64), a[_HI] - a[_LO]
+    size = a[_DTYPE].itemsize
+    offs = np.zeros(1, dtype=np.int64)
+    for d, st in zip(a[_SHAPE], a[_STRIDE]):
+        offs = (offs[:, None] + np.arange(d, dtype=np.int64) * (st * size)).ravel()
+    return np.unique(offs) + a[_LO], size
+
+
+def _overlaps(a: Access, p: Access) -> bool:
+    """Whether two accesses whose byte ranges overlap share a byte (one of them strided: two
+    column blocks of one matrix interleave without touching)."""
+    for x in (a, p):
+        st = x[_STRIDE]
+        if st is not None and (any(v < 0 for v in st) or
+                               _numel(x[_SHAPE]) > _PRECISE):
+            return True
+    sa, za = _starts(a)
+    sp, zp = _starts(p)
+    # for each run of p, the last run of a starting before it ends: they meet if that one
+    # ends after it starts (a's runs are all za long)
+    idx = np.searchsorted(sa, sp + zp, side="left") - 1
+    hit = idx >= 0
+    return bool(np.any(sa[idx[hit]] + za > sp[hit]))
+
+
+def _numel(shape: Any) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _error(kind: str, cur: Access, prev: Access, prev_verb: str) -> HazardError:
