@@ -8,6 +8,7 @@ Expected values are torch's documented behaviour on CUDA."""
 from __future__ import annotations
 
 import ctypes
+import re
 import warnings
 
 import pytest
@@ -139,7 +140,7 @@ def test_comm_across_two_devices():
         assert back.device == torch.device("cuda", 1) and back.tolist() == x.tolist()
         assert torch.cuda.comm.gather(parts, destination=-1).device.type == "cpu"
         assert torch.cuda.comm.reduce_add(copies, 0).tolist() == (x * 2).tolist()
-        with pytest.raises(RuntimeError, match="exactly one"):
+        with pytest.raises(RuntimeError, match="Exactly one"):
             torch.cuda.comm.broadcast(x)
         y = torch.ones(2, device="cuda:0")
         per_device = torch.cuda.comm.broadcast_coalesced([x, y], [0, 1])
@@ -410,3 +411,59 @@ def test_sync_batchnorm_statistics_kernels_cuda_has_and_a_cpu_build_lacks(mode):
                                              torch.ones(2, 3, device="cuda"),
                                              None, None, 0.1, 1e-5, 2)
         assert m.device.type == "cuda" and m.tolist() == [1.0] * 3 and s.tolist() == [1.0] * 3
+
+
+def test_comm_checks_its_arguments_as_cuda_does_and_keeps_the_layout():
+    """torch.cuda.comm's argument errors are CUDA's (PyTorch's TestCudaComm asserts them);
+    a scattered channels_last batch stays channels_last on each device and when gathered;
+    a device-to-device .to() keeps a dense tensor's strides (preserve_format)."""
+    with simulated_accelerator("lazy", device_count=2):
+        x = torch.arange(24.0).reshape(6, 4).cuda()
+        outs = [torch.empty(3, 4, device="cuda:0"), torch.empty(3, 4, device="cuda:1")]
+        cases = [
+            (lambda: torch.cuda.comm.broadcast(x, (0, 1), out=outs),
+             "Exactly one of 'devices' and 'out'"),
+            (lambda: torch.cuda.comm.broadcast(x, out=[x, x.cpu()]),
+             "output tensor at index 1 has device 'cpu'"),
+            (lambda: torch.cuda.comm.scatter(x, (0, 1), out=outs),
+             "'devices' must not be specified"),
+            (lambda: torch.cuda.comm.scatter(x, (0, 1, 0), chunk_sizes=(2, 4)),
+             "Expected devices and chunk_sizes to be of same length"),
+            (lambda: torch.cuda.comm.scatter(x, ()), "at least one device"),
+            (lambda: torch.cuda.comm.scatter(x, out=[]), "at least one output tensor"),
+            (lambda: torch.cuda.comm.scatter(x, out=[outs[0], outs[1][1:]]),
+             "Total size for output tensors along scatter dim 0"),
+            (lambda: torch.cuda.comm.scatter(x, out=[outs[0].unsqueeze(0), outs[1]]),
+             "Output tensor at index 0 has incorrect shape"),
+            (lambda: torch.cuda.comm.gather(outs, destination="cpu", out=torch.empty(6, 4)),
+             "'destination' must not be specified"),
+            (lambda: torch.cuda.comm.gather(()), "at least one tensor to gather"),
+            (lambda: torch.cuda.comm.gather((outs[0].cpu(), outs[1])),
+             "Expected all input tensors to be CUDA tensors"),
+            (lambda: torch.cuda.comm.gather((outs[0], outs[1][:, 1:])),
+             "Input tensor at index 1 has invalid shape"),
+        ]
+        for call, message in cases:
+            with pytest.raises(RuntimeError, match=re.escape(message)):
+                call()
+        assert [p.tolist() for p in torch.cuda.comm.scatter(x, out=outs)] == \
+            [x[:3].tolist(), x[3:].tolist()]
+        nhwc = torch.randn(4, 3, 2, 2).contiguous(memory_format=torch.channels_last)
+        parts = torch.cuda.comm.scatter(nhwc, (0, 1))
+        cl = torch.channels_last
+        assert [(p.device.index, p.is_contiguous(memory_format=cl)) for p in parts] == \
+            [(0, True), (1, True)]
+        assert torch.cuda.comm.gather(parts).is_contiguous(memory_format=cl)
+        assert parts[1].to("cuda:0").stride() == parts[1].stride()
+        assert torch.equal(torch.cuda.comm.gather(parts).cpu(), nhwc)
+
+
+def test_a_torch_cuda_device_object_names_its_device():
+    """memory_allocated(torch.cuda.device(1)) is device 1's (PyTorch's
+    test_cuda_device_memory_allocated; it was a TypeError)."""
+    with simulated_accelerator("lazy", device_count=2):
+        before = [torch.cuda.memory_allocated(torch.cuda.device(i)) for i in range(2)]
+        keep = torch.ones(1000, device="cuda:1")
+        after = [torch.cuda.memory_allocated(torch.cuda.device(i)) for i in range(2)]
+        assert after[0] == before[0] and after[1] > before[1]
+        del keep

@@ -196,12 +196,25 @@ def _comm(sim: SimState) -> dict[str, Any]:
             (not is_device(t) and d.type == "cpu")
         return t if same else t.to(d)
 
+    def outputs_on_cuda(out: Sequence[torch.Tensor]) -> None:
+        for i, o in enumerate(out):
+            if not is_device(o):
+                raise RuntimeError("Expected all output tensors to be CUDA tensors, but output "
+                                   f"tensor at index {i} has device '{o.device}'")
+
     def broadcast(tensor: torch.Tensor, devices: Sequence[Any] | None = None, *,
                   out: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
         if (devices is None) == (out is None):
-            raise RuntimeError("broadcast: exactly one of 'devices' and 'out' must be given, "
-                               f"got devices={devices!r} and out={out!r}")
+            raise RuntimeError("Exactly one of 'devices' and 'out' must be specified, but got "
+                               f"devices={devices!r} and out={out!r}")
         if out is not None:
+            outputs_on_cuda(out)
+            for i, o in enumerate(out):
+                if o.shape != tensor.shape:
+                    raise RuntimeError(
+                        "Expected all output tensors to have same shape as the source tensor "
+                        f"{tuple(tensor.shape)}, but output tensor at index {i} has shape "
+                        f"{tuple(o.shape)}")
             for o in out:
                 o.copy_(tensor)
             return tuple(out)
@@ -211,36 +224,78 @@ def _comm(sim: SimState) -> dict[str, Any]:
                 chunk_sizes: Sequence[int] | None = None, dim: int = 0,
                 streams: Sequence[Any] | None = None, *,
                 out: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
-        if (devices is None) == (out is None):
-            raise RuntimeError("scatter: exactly one of 'devices' and 'out' must be given")
+        d = dim + tensor.dim() if dim < 0 else dim
         if out is not None:
-            parts = tensor.split([o.shape[dim] for o in out], dim)
+            if devices is not None:
+                raise RuntimeError("'devices' must not be specified when 'out' is specified, "
+                                   f"but got devices={devices!r}")
+            if chunk_sizes is not None:
+                raise RuntimeError("'chunk_sizes' must not be specified when 'out' is "
+                                   f"specified, but got chunk_sizes={chunk_sizes!r}")
+            if not out:
+                raise RuntimeError("Expected at least one output tensor to scatter to")
+            outputs_on_cuda(out)
+            want = list(tensor.shape)
+            for i, o in enumerate(out):
+                shape = list(o.shape)
+                if len(shape) != len(want) or any(
+                        a != b for k, (a, b) in enumerate(zip(shape, want)) if k != d):
+                    raise RuntimeError(
+                        f"Output tensor at index {i} has incorrect shape: {tuple(shape)}. "
+                        f"Expected same shape except for scatter dim {d} as the source "
+                        f"tensor: {tuple(want)}.")
+            if sum(o.shape[d] for o in out) != tensor.shape[d]:
+                raise RuntimeError(
+                    f"Total size for output tensors along scatter dim {d} does not match "
+                    f"that of the input tensor {tensor.shape[d]}")
+            parts = tensor.split([o.shape[d] for o in out], d)
             for o, p in zip(out, parts):
                 o.copy_(p)
             return tuple(out)
-        devices = list(devices or ())
-        parts = tensor.split(list(chunk_sizes), dim) if chunk_sizes is not None else \
-            tensor.chunk(len(devices), dim)
-        if len(parts) != len(devices):
-            raise ValueError(f"scatter: {len(parts)} chunks for {len(devices)} devices")
+        if devices is None:
+            raise RuntimeError("Exactly one of 'devices' and 'out' must be specified")
+        devices = list(devices)
+        if not devices:
+            raise RuntimeError("Expected at least one device to scatter to")
+        if chunk_sizes is not None and len(chunk_sizes) != len(devices):
+            raise RuntimeError(
+                "Expected devices and chunk_sizes to be of same length, but got "
+                f"len(devices) = {len(devices)} and len(chunk_sizes) = {len(chunk_sizes)}")
+        parts = tensor.split(list(chunk_sizes), d) if chunk_sizes is not None else \
+            tensor.chunk(len(devices), d)
         result = []
-        for i, (p, d) in enumerate(zip(parts, devices)):
+        for i, (p, target) in enumerate(zip(parts, devices)):
             stream = streams[i] if streams is not None else None
-            with torch.cuda.stream(stream):
-                result.append(p.contiguous().to(dev(d)))
+            with torch.cuda.stream(stream):  # (.to keeps a dense chunk's memory format)
+                result.append(p.to(dev(target)))
         return tuple(result)
 
     def gather(tensors: Sequence[torch.Tensor], dim: int = 0, destination: Any = None, *,
                out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is not None and destination is not None:
+            raise RuntimeError("'destination' must not be specified when 'out' is specified, "
+                               f"but got destination={destination!r}")
         if not tensors:
-            raise ValueError("gather: expected at least one tensor")
-        if out is not None:
-            if destination is not None:
-                raise RuntimeError("gather: 'destination' must not be given with 'out'")
-            target = out.device
-        else:
-            target = dev(sched.current_device() if destination is None else destination)
-        joined = torch.cat([on(t, target) for t in tensors], dim)
+            raise RuntimeError("Expected at least one tensor to gather from")
+        first = tensors[0]
+        d = dim + first.dim() if dim < 0 else dim
+        for i, t in enumerate(tensors):
+            if not is_device(t):
+                raise RuntimeError("Expected all input tensors to be CUDA tensors, but input "
+                                   f"tensor at index {i} has device {t.device}")
+            if t.dim() != first.dim():
+                raise RuntimeError(
+                    "Expected all input tensors to have the same number of dimensions as the "
+                    f"first tensor ({first.dim()}), but input tensor at index {i} has "
+                    f"{t.dim()} dimensions")
+            if any(a != b for k, (a, b) in enumerate(zip(t.shape, first.shape)) if k != d):
+                raise RuntimeError(
+                    f"Input tensor at index {i} has invalid shape {tuple(t.shape)}, but "
+                    f"expected the first tensor's {tuple(first.shape)} except for the "
+                    f"gather dim {d}")
+        target = out.device if out is not None else \
+            dev(sched.current_device() if destination is None else destination)
+        joined = torch.cat([on(t, target) for t in tensors], d)
         if out is not None:
             return out.copy_(joined)
         return joined

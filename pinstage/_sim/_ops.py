@@ -33,6 +33,7 @@ from ._tensor import (
     empty_device,
     inner_of,
     is_device,
+    like_strides,
     map_out,
     register_default,
     register_op,
@@ -580,7 +581,9 @@ def _to_copy(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any
                 torch.empty(tuple(x.shape), dtype=dtype, device="cpu")
             return _d2h(sim, out, x, nb)
         if device.type == "cuda" and sim.sched.device_index(device) != x._sim_device.index:
-            dst = empty_device(sim, x.shape, dtype, sim.sched.device_index(device))
+            stride = like_strides(x._inner) if kwargs.get("memory_format") in (
+                None, torch.preserve_format) else None  # (a peer copy keeps the layout)
+            dst = empty_device(sim, x.shape, dtype, sim.sched.device_index(device), stride)
             return _copy(sim, aten.copy_.default, (dst, x, nb), {})
     kw = {k: v for k, v in kwargs.items() if k not in ("device", "non_blocking", "pin_memory")}
     return _deferred(sim, func, args, kw)

@@ -35,7 +35,7 @@ from ._sched import Op, in_kernel
 __all__ = ["SimDispatchMode", "SimFunctionMode", "SimTensor", "OPS", "register_op",
            "register_default", "enter_modes", "spread_to_new_threads", "stop_spreading",
            "is_device", "wrap", "inner_of", "empty_device", "to", "devices_of", "Proxy",
-           "from_proxy", "map_args", "map_out"]
+           "from_proxy", "map_args", "map_out", "like_strides"]
 
 aten = torch.ops.aten
 _T = torch.Tensor
@@ -462,7 +462,7 @@ def _to(self: Any, *args: Any, **kwargs: Any) -> Any:
             with torch._C.DisableTorchFunction():
                 return _T.to(self, *args, copy=copy, **kwargs)  # type: ignore[call-overload]
         index = sim.sched.device_index(device)
-        stride = _like_strides(self) if memory_format in (None, torch.preserve_format) \
+        stride = like_strides(self) if memory_format in (None, torch.preserve_format) \
             else None
         dst = empty_device(sim, self.shape, dtype, index, stride)
         aten.copy_.default(dst, self, bool(non_blocking))  # host -> device
@@ -479,9 +479,11 @@ def _to(self: Any, *args: Any, **kwargs: Any) -> Any:
     if device.type == "cpu":
         return aten._to_copy.default(self, dtype=dtype, device=torch.device("cpu"),
                                      non_blocking=bool(non_blocking))
-    if device.type == "cuda":
-        dst = empty_device(sim, self.shape, dtype, sim.sched.device_index(device))
-        aten.copy_.default(dst, self, bool(non_blocking))  # device -> device
+    if device.type == "cuda":  # device -> device: the copy keeps the layout (preserve_format)
+        stride = like_strides(self._inner) if memory_format in (None, torch.preserve_format) \
+            else None
+        dst = empty_device(sim, self.shape, dtype, sim.sched.device_index(device), stride)
+        aten.copy_.default(dst, self, bool(non_blocking))
         return dst
     raise RuntimeError(f"cannot move a simulated {here} tensor to {device}")
 
@@ -503,7 +505,8 @@ def _cpu(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     return _to(self, "cpu")
 
 
-def _like_strides(t: torch.Tensor) -> tuple[int, ...] | None:
+def like_strides(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The strides ``empty_like(t)`` (preserve_format) gives, or None when contiguous."""
     if t.is_contiguous():
         return None
     return tuple(torch.empty_like(torch.empty_strided(t.shape, t.stride(), device="meta"))
