@@ -167,12 +167,13 @@ class RaceTracker:
                 self._prune()
 
     def _prune(self) -> None:
-        """Forget the watched host regions whose device accesses the host has waited for."""
+        """Forget the watched host regions whose device accesses the host has waited for
+        (threads may prune at once: each forgets what is still there)."""
         host = self.host
         for key, held in list(self.watch.items()):
             if not any(host.get(p[_SID], 0) < p[_SEQ] for p in held[1]) and \
                     not any(host.get(p[_SID], 0) < p[_SEQ] for p in held[2]):
-                del self.watch[key]
+                self.watch.pop(key, None)
 
     def _region(self, t: torch.Tensor) -> list[Any]:
         """What is known of ``t``'s storage: [this tracker, writes not covered by a later
