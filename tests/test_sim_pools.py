@@ -172,3 +172,74 @@ def test_concurrent_replays_of_graphs_sharing_a_pool_race(share):
         torch.cuda.current_stream().wait_stream(s1)
         assert b.sum().item() == 1000 * 22  # ((1+1)*2 = 4, (4+1)*2 = 10, 22)
         assert c.sum().item() == 1000 * 36  # ((1+2)*2 = 6, 16, 36)
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy", "random"])
+def test_a_stream_that_waits_for_a_capture_is_captured_too(mode):
+    """CUDA's fork: s2 waits for an event of s1's capture, so its work is part of the graph
+    (captured, not run: nothing changes until a replay, and each replay runs it again) until
+    the capture ends."""
+    with simulated_accelerator(mode):
+        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+        x, y = torch.zeros(4, device="cuda"), torch.zeros(4, device="cuda")
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(s1):
+            g.capture_begin()
+            x.add_(1)
+            s2.wait_stream(s1)
+            with torch.cuda.stream(s2):
+                assert s2.is_capturing() and torch.cuda.is_current_stream_capturing()
+                y.add_(10)
+            s1.wait_stream(s2)
+            g.capture_end()
+        assert not s2.is_capturing()
+        torch.cuda.synchronize()
+        assert x.tolist() == [0.0] * 4 and y.tolist() == [0.0] * 4
+        g.replay()
+        g.replay()
+        torch.cuda.synchronize()
+        assert x.tolist() == [2.0] * 4 and y.tolist() == [20.0] * 4
+
+
+def _reclaim(reuse: str) -> tuple[int, int, int]:
+    """data1, used on s2 (record_stream) and freed during a capture on s1; data2 allocated
+    before s1 joins s2, data3 after: their addresses."""
+    torch.cuda.memory._set_allocator_settings(f"graph_capture_record_stream_reuse:{reuse}")
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    g = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(s1):
+        g.capture_begin()
+        sink = torch.empty(8, device="cuda")
+        data1 = torch.empty(8, device="cuda")
+        p1 = data1.data_ptr()
+        s2.wait_stream(s1)
+        with torch.cuda.stream(s2):
+            out = data1 + 2
+            data1.record_stream(s2)
+        del data1
+        data2 = torch.empty(8, device="cuda")
+        s1.wait_stream(s2)
+        sink.fill_(1.0)
+        data3 = torch.empty(8, device="cuda")
+        g.capture_end()
+    torch.cuda.synchronize()
+    del out
+    return p1, data2.data_ptr(), data3.data_ptr()
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # (torch deprecates the setter's name)
+@pytest.mark.parametrize("mode", ["eager", "lazy", "random"])
+def test_memory_freed_in_a_capture_waits_for_the_streams_that_used_it(mode):
+    """PyTorch's test_graph_capture_reclaim_2_streams: a block freed during a capture with
+    another stream's recorded use is not handed out again while captures are underway (by
+    default), or, with graph_capture_record_stream_reuse:True, until the allocating stream
+    has joined that stream in the capture."""
+    with simulated_accelerator(mode):
+        p1, p2, p3 = _reclaim("False")
+        assert p1 != p2 and p1 != p3
+        p1, p2, p3 = _reclaim("True")
+        assert p1 != p2 and p1 == p3
+        with pytest.raises(ValueError, match="graph_capture_record_stream_reuse"):
+            torch.cuda.memory._set_allocator_settings("graph_capture_record_stream_reuse:1")

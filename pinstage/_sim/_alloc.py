@@ -36,7 +36,7 @@ CACHE_KEEP = 256 * 2**20
 
 
 class _Block:
-    __slots__ = ("buf", "pending", "pool", "region", "size", "stream", "views")
+    __slots__ = ("buf", "cap_pending", "pending", "pool", "region", "size", "stream", "views")
 
     def __init__(self, buf: torch.Tensor, size: int, stream: Any, pool: Any = None) -> None:
         self.buf, self.size, self.stream = buf, size, stream
@@ -45,6 +45,9 @@ class _Block:
         # graph's replays still write it), and to the device once the pool's users are gone
         self.pool = pool
         self.pending: list[tuple[Any, int, dict[int, int]]] = []  # (stream, seq, clock)
+        # freed during a capture with recorded streams: (stream, ops captured there by
+        # then) each; held while any capture is underway, as PyTorch does (see _collect)
+        self.cap_pending: list[tuple[Any, int]] | None = None
         self.views: dict[torch.dtype, torch.Tensor] = {}  # the whole block, per dtype
         self.region: Any = None  # what the race tracker knows of its memory (its _region)
 
@@ -71,6 +74,8 @@ class Handle:
             block = self.block
             if self.streams:
                 block.pending = [(s, s.last, s.sched.races.snapshot(s)) for s in self.streams]
+                if self.streams[0].sched.capturing_any():  # (their captured work: _collect)
+                    block.cap_pending = [(s, s.cap_n) for s in self.streams]
             self.alloc.freed.append(block)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
@@ -96,10 +101,12 @@ class Allocator:
         self.users: dict[Any, int] = {}
         self.unused: collections.deque[Any] = collections.deque()  # users gone (from __del__)
         self.routes: dict[int, list[Any]] = {}  # thread id -> use_mem_pool ids, innermost last
+        self.capture_reuse = False  # PyTorch's graph_capture_record_stream_reuse setting
 
     # -- freeing -----------------------------------------------------------------------------
-    def _collect(self) -> None:
-        """Take in what was freed since, and what its recorded streams have finished."""
+    def _collect(self, stream: Any = None) -> None:
+        """Take in what was freed since, and what its recorded streams have finished (for
+        an allocation on ``stream``, if given)."""
         while self.unused:
             self.release_pool(self.unused.popleft())
         freed = self.freed
@@ -114,6 +121,9 @@ class Allocator:
         if self.waiting:
             still = []
             for block in self.waiting:
+                if block.cap_pending is not None and not self._captured_done(block, stream):
+                    still.append(block)
+                    continue
                 if all(s.done >= seq for s, seq, _ in block.pending):
                     for s, _, clock in block.pending:  # (the allocator saw them complete)
                         s.sched.races.host_join(clock)
@@ -122,6 +132,23 @@ class Allocator:
                 else:
                     still.append(block)
             self.waiting = still
+
+    def _captured_done(self, block: _Block, stream: Any) -> bool:
+        """Whether a block freed during a capture may be handed out again: PyTorch holds it
+        until no capture is underway; with ``graph_capture_record_stream_reuse:True``, also
+        once the allocating stream's captured work is ordered after each recorded stream's
+        work up to the free (CUDA's graph edges: wait_stream/wait_event in the capture)."""
+        pending = block.cap_pending
+        if not pending or not pending[0][0].sched.capturing_any():
+            block.cap_pending = None
+            return True
+        if not self.capture_reuse or stream is None or stream.capture is None:
+            return False
+        clock = stream.cap_clock
+        if all(s is stream or clock.get(s.stream_id, 0) >= n for s, n in pending):
+            block.cap_pending = None
+            return True
+        return False
 
     def _pool(self, block: _Block) -> None:
         if block.pool is not None:
@@ -232,7 +259,7 @@ class Allocator:
         return view, Handle(self, block), new
 
     def _take(self, size: int, stream: Any) -> tuple[_Block, bool]:
-        self._collect()
+        self._collect(stream)
         private = self._private_of(stream) if stream.capture is not None or self.routes \
             else None
         if private is not None:

@@ -159,6 +159,10 @@ class SimStream(TorchStream):
         self.done = 0  # seq of the last op run
         self.last = 0  # seq of the last op queued
         self.capture: Any = None  # the CUDAGraph capturing this stream, if any
+        # in a capture: the ops captured on this stream so far, and the capture-time vector
+        # clock (stream id -> ops captured there that this stream's next op comes after)
+        self.cap_n = 0
+        self.cap_clock: dict[int, int] = {}
         self.t = 0.0  # simulated time (ms) at which the work queued so far ends
 
     # -- torch.cuda.Stream API -----------------------------------------------------------------
@@ -166,6 +170,14 @@ class SimStream(TorchStream):
         """Work queued on this stream from now on waits for ``event``'s point."""
         if event.stream is None:
             return
+        if event.cap is not None and event.stream.capture is not None:
+            # an event of a capture: this stream joins it (CUDA's fork: its work from now on
+            # is captured into the same graph, not run), ordered after the event's point
+            self.sched.fork_capture(self, event.stream.capture)
+            mine = self.cap_clock
+            for k, v in event.cap.items():
+                if k != self.stream_id and mine.get(k, 0) < v:
+                    mine[k] = v
         self.t = max(self.t, event.t)
         self.sched.races.join(self, event.clock)
         self.sched.enqueue(self, Op(f"wait for an event of stream {event.stream.stream_id}",
@@ -223,6 +235,7 @@ class SimEvent(TorchEvent):
         self.seq = 0
         self.captured = False
         self.clock: dict[int, int] | None = None  # the stream's vector clock when recorded
+        self.cap: dict[int, int] | None = None  # its capture-time clock, recorded in a capture
         self.enable_timing = enable_timing
         self.blocking = blocking
         self.external = bool(external)  # recorded in a graph: again at each replay
@@ -244,6 +257,11 @@ class SimEvent(TorchEvent):
             self.t = stream.t
             self.captured = stream.capture is not None
             self.clock = sched.races.snapshot(stream)
+            if self.captured:
+                self.cap = dict(stream.cap_clock)
+                self.cap[stream.stream_id] = stream.cap_n
+            else:
+                self.cap = None
             if self.captured and self.external:  # (a node of the graph: see EventRecord)
                 stream.capture.ops.append(EventRecord(self))
 
@@ -331,6 +349,7 @@ class Scheduler:
             default.cuda_stream = 0  # as CUDA's legacy default stream
         self._captures: dict[int, tuple[int, str]] = {}  # id(graph) -> (thread, mode)
         self._invalidated: dict[int, str] = {}  # id(graph) -> what invalidated its capture
+        self._forks: dict[int, list[SimStream]] = {}  # id(graph) -> the streams it captures
         self._polls: dict[tuple[int, int], int] = {}
         self.races = RaceTracker()  # vector clocks and accesses: races found when queued
 
@@ -427,11 +446,26 @@ class Scheduler:
                                f"`thread_local`, or `relaxed`, got `{mode}`")
         with self.lock:
             stream.capture = graph
+            stream.cap_n, stream.cap_clock = 0, {}
             self._captures[id(graph)] = (threading.get_ident(), mode)
+            self._forks[id(graph)] = [stream]
+
+    def fork_capture(self, stream: SimStream, graph: Any) -> None:
+        """``stream`` waited for an event of ``graph``'s capture: it is captured too."""
+        if stream.capture is graph:
+            return
+        with self.lock:
+            if stream.capture is None:
+                stream.capture = graph
+                stream.cap_n, stream.cap_clock = 0, {}
+                self._forks.setdefault(id(graph), []).append(stream)
 
     def end_capture(self, stream: SimStream, graph: Any) -> None:
         with self.lock:
             if stream.capture is graph:
+                for s in self._forks.pop(id(graph), [stream]):
+                    if s.capture is graph:
+                        s.capture = None
                 stream.capture = None
                 self._captures.pop(id(graph), None)
             why = self._invalidated.pop(id(graph), None)
@@ -500,6 +534,7 @@ class Scheduler:
             if count is not None:
                 setattr(self.stats, count, getattr(self.stats, count) + 1)
             if stream.capture is not None:
+                stream.cap_n += 1
                 stream.capture.ops.append(op)
                 return
             if len(stream.queue) >= MAX_QUEUED:  # the launch queue is full: the host waits

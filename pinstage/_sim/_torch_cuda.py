@@ -586,8 +586,31 @@ def _torch_level_names(sim: SimState) -> tuple[dict[str, Any], dict[str, Any]]:
             _find_stream(sched, stream_id, device_index)),
         "_cuda_setDevice": lambda idx: None if idx < 0 else sched.set_device(index(idx)),
         "_cuda_getDevice": sched.current_device,
+        "_accelerator_setAllocatorSettings": lambda env: _allocator_settings(sim, env),
     }
     return top, c
+
+
+_REAL_SETTINGS = torch._C._accelerator_setAllocatorSettings
+
+
+def _allocator_settings(sim: SimState, env: str) -> None:
+    """``torch.cuda.memory._set_allocator_settings``: the simulated allocator's own key
+    (``graph_capture_record_stream_reuse:True|False``) set here, the rest as torch does."""
+    rest = []
+    for item in str(env).split(","):
+        key, _, value = item.partition(":")
+        if key.strip() == "graph_capture_record_stream_reuse":
+            flag = value.strip()
+            if flag not in ("True", "False"):
+                raise ValueError("graph_capture_record_stream_reuse expects True or False, "
+                                 f"got {value!r}")
+            for a in sim.allocators:
+                a.capture_reuse = flag == "True"
+        elif item.strip():
+            rest.append(item)
+    if rest:
+        _REAL_SETTINGS(",".join(rest))
 
 
 SIM_CUDA_VERSION = "12.8"  # torch.version.cuda while a simulator is open (on a CPU build)
