@@ -243,3 +243,37 @@ def test_memory_freed_in_a_capture_waits_for_the_streams_that_used_it(mode):
         assert p1 != p2 and p1 == p3
         with pytest.raises(ValueError, match="graph_capture_record_stream_reuse"):
             torch.cuda.memory._set_allocator_settings("graph_capture_record_stream_reuse:1")
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy", "random"])
+def test_a_fork_not_joined_back_fails_the_capture(mode):
+    """CUDA refuses to end a capture while a stream that joined it has work the capturing
+    stream never waited for (cudaErrorStreamCaptureUnjoined); joined, it ends."""
+    with simulated_accelerator(mode):
+        s1, s2, s3 = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
+        x = torch.zeros(4, device="cuda")
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(s1):
+            g.capture_begin()
+            s2.wait_stream(s1)
+            s3.wait_stream(s2)  # (a fork of the fork)
+            with torch.cuda.stream(s3):
+                x.add_(1)
+            s1.wait_stream(s2)  # (s3's work is not joined)
+            with pytest.raises(RuntimeError, match="unjoined work.*stream 3"):
+                g.capture_end()
+        assert not (s1.is_capturing() or s2.is_capturing() or s3.is_capturing())
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(s1):
+            g.capture_begin()
+            s2.wait_stream(s1)
+            s3.wait_stream(s2)
+            with torch.cuda.stream(s3):
+                x.add_(1)
+            s2.wait_stream(s3)
+            s1.wait_stream(s2)  # (joined through s2)
+            g.capture_end()
+        g.replay()
+        torch.cuda.synchronize()
+        assert x.tolist() == [1.0] * 4

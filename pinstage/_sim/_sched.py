@@ -461,14 +461,23 @@ class Scheduler:
                 self._forks.setdefault(id(graph), []).append(stream)
 
     def end_capture(self, stream: SimStream, graph: Any) -> None:
+        unjoined = []
         with self.lock:
             if stream.capture is graph:
                 for s in self._forks.pop(id(graph), [stream]):
                     if s.capture is graph:
                         s.capture = None
+                    if s is not stream and stream.cap_clock.get(s.stream_id, 0) < s.cap_n:
+                        unjoined.append(s)
                 stream.capture = None
                 self._captures.pop(id(graph), None)
             why = self._invalidated.pop(id(graph), None)
+        if unjoined:  # (CUDA's check: a forked stream's work must be joined back)
+            names = ", ".join(f"stream {s.stream_id}" for s in unjoined)
+            raise RuntimeError(
+                "CUDA error: capturing stream has unjoined work (cudaErrorStreamCaptureUnjoined:"
+                f" {names} joined the capture by waiting for it, and the capturing stream "
+                "never waited for their last work, e.g. with wait_stream; simulated)")
         if why is not None:
             raise RuntimeError("CUDA error: operation failed due to a previous error during "
                                f"capture (cudaErrorStreamCaptureInvalidated: {why}; simulated)")
