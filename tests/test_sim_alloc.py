@@ -292,3 +292,40 @@ def test_the_per_process_memory_fraction_limits_what_may_be_reserved():
         assert torch.cuda.get_per_process_memory_fraction() == 1.0
     assert (hasattr(torch._C, "_cuda_getMemoryFraction"),
             hasattr(torch._C, "_cuda_memorySnapshot")) == had
+
+
+@pytest.mark.parametrize("mode,seed", SCHEDULES)
+def test_host_memory_stats_count_pinned_blocks(mode, seed):
+    """torch.cuda.host_memory_stats(): each pinned block, its size rounded up to a power of
+    two as PyTorch's host allocator does; nothing is cached, so a freed block goes back at
+    once (num_host_free) and empty_cache() changes nothing."""
+    with simulated_accelerator(mode, seed=seed):
+        stats = torch.cuda.host_memory_stats()
+        assert stats["allocations.current"] == stats["num_host_alloc"] == 0
+        t1 = torch.ones(10 * 1024, pin_memory=True)  # 40 KiB: a 64 KiB block
+        t2 = torch.zeros(3000, dtype=torch.uint8).pin_memory()  # 3000 bytes: 4 KiB
+        torch.empty(0, pin_memory=True)  # no bytes: no block
+        assert t1.is_pinned() and t2.is_pinned()
+        torch._C._host_emptyCache()
+        stats = torch.cuda.host_memory_stats()
+        for key in ("allocations", "active_requests"):
+            assert [stats[f"{key}.{k}"] for k in ("current", "peak", "allocated", "freed")] \
+                == [2, 2, 2, 0]
+        for key in ("allocated_bytes", "active_bytes"):
+            assert stats[f"{key}.current"] == stats[f"{key}.peak"] == 64 * 1024 + 4096
+        assert stats["num_host_alloc"] == stats["host_alloc_time.count"] == 2
+        assert stats["num_host_free"] == stats["host_free_time.count"] == 0
+        del t1
+        gc.collect()
+        stats = torch.cuda.host_memory_stats()
+        assert stats["allocated_bytes.current"] == 4096
+        assert stats["allocated_bytes.freed"] == 64 * 1024
+        assert stats["allocations.peak"] == 2 and stats["num_host_free"] == 1
+        torch.cuda.reset_peak_host_memory_stats()
+        torch.cuda.reset_accumulated_host_memory_stats()
+        stats = torch.cuda.host_memory_stats()
+        assert stats["allocated_bytes.peak"] == 4096 and stats["allocations.freed"] == 0
+        assert stats["num_host_alloc"] == stats["num_host_free"] == 0
+        del t2
+    if not torch.cuda.is_available():  # (a CPU build's answer again, the simulator closed)
+        assert torch.cuda.host_memory_stats() == {}
