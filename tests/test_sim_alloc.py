@@ -146,3 +146,186 @@ def test_the_cache_is_bounded():
         gc.collect()
         assert torch.cuda.memory_allocated() == 0
         assert torch.cuda.memory_reserved() <= _alloc.CACHE_KEEP
+
+
+def _segment_view(seg):
+    """A snapshot segment without its (host-chosen) address."""
+    blocks = [{k: v for k, v in b.items() if k != "address"} for b in seg["blocks"]]
+    return {**{k: v for k, v in seg.items() if k != "address"}, "blocks": blocks}
+
+
+@pytest.mark.parametrize("mode,seed", SCHEDULES)
+def test_memory_snapshot_lists_each_block_as_a_segment(mode, seed):
+    """memory_snapshot()/_snapshot(): one segment (of one block) per simulated block, in use
+    or cached, small-pool up to 1 MiB, with the bytes each allocation asked for."""
+    with simulated_accelerator(mode, seed=seed, device_count=2):
+        assert torch.cuda.memory_snapshot() == []
+        a = torch.ones(1000, device="cuda")  # 4000 bytes: a 4096-byte small block
+        big = torch.empty(2 * MiB + 100, dtype=torch.uint8, device="cuda:1")  # 2 MiB + 512
+        where = a.data_ptr()
+        del a
+        gc.collect()
+        side = torch.cuda.Stream(device=1)
+        with torch.cuda.stream(side):
+            c = torch.empty(10, device="cuda:1")  # 40 bytes, a 512-byte block, on side
+        segments = torch.cuda.memory_snapshot()
+        for d in (0, 1):  # (device by device, by address)
+            mine = [s["address"] for s in segments if s["device"] == d]
+            assert mine == sorted(mine)
+        assert [s["device"] for s in segments] == [0, 1, 1]
+        by_size = {s["total_size"]: s for s in segments}
+        assert sorted(by_size) == [512, 4096, 2 * MiB + 512]
+        assert by_size[4096]["address"] == where == by_size[4096]["blocks"][0]["address"]
+        assert _segment_view(by_size[4096]) == {
+            "device": 0, "total_size": 4096, "allocated_size": 0, "active_size": 0,
+            "requested_size": 0, "stream": 0, "segment_type": "small",
+            "segment_pool_id": (0, 0), "is_expandable": False, "frames": [],
+            "blocks": [{"size": 4096, "requested_size": 0, "state": "inactive",
+                        "frames": []}]}
+        assert _segment_view(by_size[2 * MiB + 512]) == {
+            "device": 1, "total_size": 2 * MiB + 512, "allocated_size": 2 * MiB + 512,
+            "active_size": 2 * MiB + 512, "requested_size": 2 * MiB + 100, "stream": 0,
+            "segment_type": "large", "segment_pool_id": (0, 0), "is_expandable": False,
+            "frames": [], "blocks": [{"size": 2 * MiB + 512, "requested_size": 2 * MiB + 100,
+                                      "state": "active_allocated", "frames": []}]}
+        assert by_size[512]["stream"] == side.cuda_stream != 0
+        assert by_size[512]["requested_size"] == 40 and by_size[512]["device"] == 1
+        full = torch.cuda.memory._snapshot()
+        assert full["segments"] == segments and full["device_traces"] == [[], []]
+        torch.cuda.empty_cache()
+        assert sorted(s["total_size"] for s in torch.cuda.memory_snapshot()) == [
+            512, 2 * MiB + 512]  # the cached block went back
+        del big, c
+
+
+def test_a_block_held_for_a_recorded_stream_is_pending_free():
+    """Freed with record_stream while the stream's work is queued: still active (not
+    allocated) until that work is done, as PyTorch keeps it until its events complete."""
+    with simulated_accelerator("lazy"):
+        main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+        a = torch.ones(1000, device="cuda")
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            total = a.sum()  # 4 bytes: a 512-byte block, side's
+        a.record_stream(side)
+        del a
+        gc.collect()
+        states = {s["total_size"]: s["blocks"][0]["state"] for s in torch.cuda.memory_snapshot()}
+        assert states == {4096: "active_pending_free", 512: "active_allocated"}
+        stats = torch.cuda.memory_stats()
+        assert stats["allocated_bytes.all.current"] == 512
+        assert stats["active_bytes.all.current"] == 4096 + 512
+        assert stats["requested_bytes.all.current"] == 4000 + 4
+        assert stats["allocation.all.current"] == 1 and stats["active.all.current"] == 2
+        main.wait_stream(side)
+        assert total.item() == 1000.0
+        torch.cuda.synchronize()
+        states = {s["total_size"]: s["blocks"][0]["state"] for s in torch.cuda.memory_snapshot()}
+        assert states == {4096: "inactive", 512: "active_allocated"}
+        assert torch.cuda.memory_stats()["active_bytes.all.current"] == 512
+
+
+@pytest.mark.parametrize("mode,seed", SCHEDULES)
+def test_memory_stats_per_pool(mode, seed):
+    """memory_stats() per pool (small: blocks up to 1 MiB), the requested bytes, cudaMalloc
+    and cudaFree counts and one num_sync_all_streams per empty_cache()."""
+    with simulated_accelerator(mode, seed=seed):
+        small = torch.empty(MiB, dtype=torch.uint8, device="cuda")  # exactly 1 MiB: small
+        large = torch.empty(MiB + 1, dtype=torch.uint8, device="cuda")  # 1 MiB + 512: large
+        stats = torch.cuda.memory_stats()
+        expect = {"segment.small_pool.current": 1, "segment.large_pool.current": 1,
+                  "segment.all.current": 2, "allocation.small_pool.current": 1,
+                  "active.large_pool.current": 1, "allocation.all.allocated": 2,
+                  "allocated_bytes.small_pool.current": MiB,
+                  "allocated_bytes.large_pool.current": MiB + 512,
+                  "reserved_bytes.all.current": 2 * MiB + 512,
+                  "requested_bytes.large_pool.current": MiB + 1,
+                  "requested_bytes.all.current": 2 * MiB + 1,
+                  "inactive_split.all.current": 0, "inactive_split_bytes.all.current": 0,
+                  "num_device_alloc": 2, "num_device_free": 0, "num_sync_all_streams": 0}
+        assert {k: stats[k] for k in expect} == expect
+        del large
+        gc.collect()
+        stats = torch.cuda.memory_stats()
+        assert stats["allocated_bytes.large_pool.current"] == 0
+        assert stats["allocated_bytes.large_pool.freed"] == MiB + 512
+        assert stats["reserved_bytes.large_pool.current"] == MiB + 512  # cached
+        assert stats["requested_bytes.all.current"] == MiB
+        # a small request takes no large block (PyTorch's pools are apart): a new segment
+        half = torch.empty(MiB, dtype=torch.uint8, device="cuda")
+        assert torch.cuda.memory_stats()["segment.small_pool.current"] == 2
+        torch.cuda.empty_cache()
+        stats = torch.cuda.memory_stats()
+        assert stats["num_sync_all_streams"] == 1
+        assert stats["num_device_alloc"] == 3 and stats["num_device_free"] == 1
+        assert stats["segment.large_pool.current"] == 0
+        assert stats["reserved_bytes.large_pool.peak"] == MiB + 512
+        assert stats["reserved_bytes.all.peak"] == 3 * MiB + 512
+        torch.cuda.empty_cache()
+        assert torch.cuda.memory_stats()["num_sync_all_streams"] == 2
+        torch.cuda.reset_accumulated_memory_stats()
+        stats = torch.cuda.memory_stats()
+        assert stats["num_sync_all_streams"] == 0
+        assert stats["segment.all.allocated"] == 2 and stats["segment.all.freed"] == 0
+        del small, half
+
+
+def test_the_per_process_memory_fraction_limits_what_may_be_reserved():
+    had = (hasattr(torch._C, "_cuda_getMemoryFraction"),
+           hasattr(torch._C, "_cuda_memorySnapshot"))
+    with simulated_accelerator("lazy", memory="1MiB"):
+        assert torch.cuda.get_per_process_memory_fraction() == 1.0
+        torch.cuda.set_per_process_memory_fraction(0.5)
+        assert torch.cuda.get_per_process_memory_fraction() == 0.5
+        assert torch.cuda.get_per_process_memory_fraction(0) == 0.5
+        keep = torch.empty(MiB // 4, dtype=torch.uint8, device="cuda")
+        with pytest.raises(torch.cuda.OutOfMemoryError, match="may reserve 512.00 KiB"):
+            torch.empty(MiB // 2, dtype=torch.uint8, device="cuda")  # 256 + 512 KiB > 512
+        assert torch.cuda.mem_get_info() == (3 * MiB // 4, MiB)  # the device's, unchanged
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        again = torch.empty(MiB // 2, dtype=torch.uint8, device="cuda")
+        torch.cuda.set_per_process_memory_fraction(0.0)
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            torch.empty(1, device="cuda")
+        del keep, again
+    with simulated_accelerator("lazy"):  # a new simulator: the whole device again
+        assert torch.cuda.get_per_process_memory_fraction() == 1.0
+    assert (hasattr(torch._C, "_cuda_getMemoryFraction"),
+            hasattr(torch._C, "_cuda_memorySnapshot")) == had
+
+
+@pytest.mark.parametrize("mode,seed", SCHEDULES)
+def test_host_memory_stats_count_pinned_blocks(mode, seed):
+    """torch.cuda.host_memory_stats(): each pinned block, its size rounded up to a power of
+    two as PyTorch's host allocator does; nothing is cached, so a freed block goes back at
+    once (num_host_free) and empty_cache() changes nothing."""
+    with simulated_accelerator(mode, seed=seed):
+        stats = torch.cuda.host_memory_stats()
+        assert stats["allocations.current"] == stats["num_host_alloc"] == 0
+        t1 = torch.ones(10 * 1024, pin_memory=True)  # 40 KiB: a 64 KiB block
+        t2 = torch.zeros(3000, dtype=torch.uint8).pin_memory()  # 3000 bytes: 4 KiB
+        torch.empty(0, pin_memory=True)  # no bytes: no block
+        assert t1.is_pinned() and t2.is_pinned()
+        torch._C._host_emptyCache()
+        stats = torch.cuda.host_memory_stats()
+        for key in ("allocations", "active_requests"):
+            assert [stats[f"{key}.{k}"] for k in ("current", "peak", "allocated", "freed")] \
+                == [2, 2, 2, 0]
+        for key in ("allocated_bytes", "active_bytes"):
+            assert stats[f"{key}.current"] == stats[f"{key}.peak"] == 64 * 1024 + 4096
+        assert stats["num_host_alloc"] == stats["host_alloc_time.count"] == 2
+        assert stats["num_host_free"] == stats["host_free_time.count"] == 0
+        del t1
+        gc.collect()
+        stats = torch.cuda.host_memory_stats()
+        assert stats["allocated_bytes.current"] == 4096
+        assert stats["allocated_bytes.freed"] == 64 * 1024
+        assert stats["allocations.peak"] == 2 and stats["num_host_free"] == 1
+        torch.cuda.reset_peak_host_memory_stats()
+        torch.cuda.reset_accumulated_host_memory_stats()
+        stats = torch.cuda.host_memory_stats()
+        assert stats["allocated_bytes.peak"] == 4096 and stats["allocations.freed"] == 0
+        assert stats["num_host_alloc"] == stats["num_host_free"] == 0
+        del t2
+    if not torch.cuda.is_available():  # (a CPU build's answer again, the simulator closed)
+        assert torch.cuda.host_memory_stats() == {}

@@ -277,3 +277,41 @@ def test_a_fork_not_joined_back_fails_the_capture(mode):
         g.replay()
         torch.cuda.synchronize()
         assert x.tolist() == [1.0] * 4
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_a_pools_snapshot_is_its_segments(mode):
+    """MemPool.snapshot() and memory_snapshot(pool.id): the segments of that pool only, cached
+    ones included; a graph's segments carry its pool's id."""
+    with simulated_accelerator(mode):
+        pool, other = torch.cuda.MemPool(), torch.cuda.MemPool()
+        assert pool.snapshot() == [] and torch.cuda.memory_snapshot(pool.id) == []
+        outside = torch.ones(1000, device="cuda")  # 4096 bytes, the default pool's
+        with torch.cuda.use_mem_pool(pool):
+            a = torch.ones(1000, device="cuda")
+            b = torch.ones(3000, device="cuda")  # 12000 bytes: 12288
+            del a  # cached in the pool
+            gc.collect()
+            torch.cuda.empty_cache()  # (a pool's cached blocks stay while it has users)
+        with torch.cuda.use_mem_pool(other):
+            c = torch.ones(10, device="cuda")
+        mine = pool.snapshot()
+        assert mine == torch.cuda.memory_snapshot(pool.id)
+        assert sorted((s["total_size"], s["blocks"][0]["state"]) for s in mine) == [
+            (4096, "inactive"), (12288, "active_allocated")]
+        assert {s["segment_pool_id"] for s in mine} == {pool.id}
+        assert [s["total_size"] for s in other.snapshot()] == [512]
+        everything = torch.cuda.memory_snapshot()
+        assert len(everything) == 4
+        assert [s["segment_pool_id"] for s in everything].count((0, 0)) == 1
+        s = torch.cuda.Stream()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            out = outside * 2
+        assert [x["total_size"] for x in torch.cuda.memory_snapshot(g.pool())] == [4096]
+        pool_id = pool.id
+        del pool
+        gc.collect()  # its users gone: its cached block goes back, the one in use stays
+        assert [(x["total_size"], x["blocks"][0]["state"])
+                for x in torch.cuda.memory_snapshot(pool_id)] == [(12288, "active_allocated")]
+        del b, c, out

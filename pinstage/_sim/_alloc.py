@@ -10,8 +10,11 @@ it was freed has completed (checked when an allocation looks, as PyTorch's alloc
 its events), and the host then knows that work done.
 
 ``memory_allocated``/``memory_reserved``/``max_memory_*``/``mem_get_info``/``memory_stats``
-follow it; a limit (``simulated_accelerator(memory=...)``) makes an allocation that does not
-fit, after giving back the free cached blocks, raise ``torch.cuda.OutOfMemoryError``.
+(per pool: a block up to 1 MiB is small-pool) and ``memory_snapshot``/``MemPool.snapshot()``
+(each block a segment of one block: blocks are never split) follow it; a limit
+(``simulated_accelerator(memory=...)``, or the share of it
+``set_per_process_memory_fraction`` allows) makes an allocation that does not fit, after
+giving back the free cached blocks, raise ``torch.cuda.OutOfMemoryError``.
 """
 
 from __future__ import annotations
@@ -25,21 +28,26 @@ from typing import Any
 
 import torch
 
-__all__ = ["Allocator", "Handle", "cuda_names", "new_pool_id", "pool_id_of", "ROUND"]
+__all__ = ["Allocator", "Handle", "c_names", "cuda_names", "new_pool_id", "pool_id_of",
+           "ROUND", "SMALL"]
 
 _SPAN = "_pinstage_sim_span"  # (_races' attribute of a tensor's span)
 ROUND = 512  # block sizes are multiples of this, as in PyTorch's allocator
 TOTAL = 80 * 2**30  # the device memory reported when no limit is set
+SMALL = 2**20  # blocks up to this size are the small pool's (PyTorch's kSmallSize), the rest large
 # Free cached blocks kept at most (the device's memory is the host's here: a long session of
 # varied sizes must not grow without bound); beyond it the largest are given back.
 CACHE_KEEP = 256 * 2**20
 
 
 class _Block:
-    __slots__ = ("buf", "cap_pending", "pending", "pool", "region", "size", "stream", "views")
+    __slots__ = ("buf", "cap_pending", "kind", "pending", "pool", "region", "requested", "size",
+                 "stream", "views")
 
     def __init__(self, buf: torch.Tensor, size: int, stream: Any, pool: Any = None) -> None:
         self.buf, self.size, self.stream = buf, size, stream
+        self.kind = "small_pool" if size <= SMALL else "large_pool"
+        self.requested = 0  # the bytes its current allocation asked for (0 while inactive)
         # the private pool it belongs to (allocated while a graph was captured, or under
         # use_mem_pool): freed, it goes back there, for allocations into that pool only (a
         # graph's replays still write it), and to the device once the pool's users are gone
@@ -81,20 +89,30 @@ class Handle:
             pass
 
 
+# PyTorch's per-pool statistics (``memory_stats()``'s "<name>.<all|small_pool|large_pool>.
+# <current|peak|allocated|freed>"): a block is one segment here, never split, so the
+# inactive_split ones stay 0
+_STATS = ("allocation", "segment", "active", "inactive_split", "allocated_bytes",
+          "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes")
+_KINDS = ("all", "small_pool", "large_pool")
+
+
 class Allocator:
-    """One simulated device's memory: blocks in use, per-stream pools of free ones."""
+    """One simulated device's memory: blocks in use, per-stream pools of free ones. A block
+    is one segment (one cudaMalloc of PyTorch's), small-pool up to :data:`SMALL` bytes."""
 
     def __init__(self, index: int, limit: int | None) -> None:
         self.index = index
         self.limit = limit
+        self.fraction = 1.0  # set_per_process_memory_fraction's share of the device's memory
         self.freed: collections.deque[_Block] = collections.deque()
         self.pools: dict[int, list[_Block]] = {}  # stream id -> free blocks, by size
         self.waiting: list[_Block] = []  # freed, held for recorded streams' work
-        self.allocated = self.reserved = 0
-        self.peak_allocated = self.peak_reserved = 0
-        self.counts = {"allocation": 0, "free": 0, "num_alloc_retries": 0, "num_ooms": 0,
-                       "segment": 0, "segment_free": 0, "allocated_total": 0,
-                       "reserved_total": 0}  # (the totals: bytes ever allocated, reserved)
+        self.live: dict[int, _Block] = {}  # id -> block allocated (a tensor holds it)
+        # "<stat>.<kind>" -> [current, peak, allocated, freed]
+        self.st: dict[str, list[int]] = {f"{n}.{k}": [0, 0, 0, 0] for n in _STATS
+                                         for k in _KINDS}
+        self.counts = {"num_alloc_retries": 0, "num_ooms": 0, "num_sync_all_streams": 0}
         # private pools (graphs', MemPools'): id -> free blocks by size, id -> users (graphs
         # captured into it, live MemPool objects, open use_mem_pool blocks)
         self.private: dict[Any, list[_Block]] = {}
@@ -102,6 +120,43 @@ class Allocator:
         self.unused: collections.deque[Any] = collections.deque()  # users gone (from __del__)
         self.routes: dict[int, list[Any]] = {}  # thread id -> use_mem_pool ids, innermost last
         self.capture_reuse = False  # PyTorch's graph_capture_record_stream_reuse setting
+
+    # -- statistics --------------------------------------------------------------------------
+    def _bump(self, name: str, kind: str, n: int) -> None:
+        """Stat ``name`` of pool ``kind`` (and of all) changes by ``n``."""
+        for key in (f"{name}.{kind}", f"{name}.all"):
+            stat = self.st[key]
+            stat[0] += n
+            if n > 0:
+                stat[2] += n
+                if stat[0] > stat[1]:
+                    stat[1] = stat[0]
+            else:
+                stat[3] -= n
+
+    @property
+    def allocated(self) -> int:
+        return self.st["allocated_bytes.all"][0]
+
+    @property
+    def reserved(self) -> int:
+        return self.st["reserved_bytes.all"][0]
+
+    def _new_segment(self, block: _Block) -> None:
+        self._bump("segment", block.kind, 1)
+        self._bump("reserved_bytes", block.kind, block.size)
+
+    def _release(self, block: _Block) -> None:
+        """``block`` goes back to the device (cudaFree)."""
+        self._bump("segment", block.kind, -1)
+        self._bump("reserved_bytes", block.kind, -block.size)
+
+    def _inactive(self, block: _Block) -> None:
+        """A freed block no work is pending on: no longer active."""
+        self._bump("active", block.kind, -1)
+        self._bump("active_bytes", block.kind, -block.size)
+        self._bump("requested_bytes", block.kind, -block.requested)
+        block.requested = 0
 
     # -- freeing -----------------------------------------------------------------------------
     def _collect(self, stream: Any = None) -> None:
@@ -112,11 +167,13 @@ class Allocator:
         freed = self.freed
         while freed:
             block = freed.popleft()
-            self.allocated -= block.size
-            self.counts["free"] += 1
-            if block.pending:
+            self.live.pop(id(block), None)
+            self._bump("allocation", block.kind, -1)
+            self._bump("allocated_bytes", block.kind, -block.size)
+            if block.pending:  # (still active, as PyTorch's until its events complete)
                 self.waiting.append(block)
             else:
+                self._inactive(block)
                 self._pool(block)
         if self.waiting:
             still = []
@@ -128,6 +185,7 @@ class Allocator:
                     for s, _, clock in block.pending:  # (the allocator saw them complete)
                         s.sched.races.host_join(clock)
                     block.pending = []
+                    self._inactive(block)
                     self._pool(block)
                 else:
                     still.append(block)
@@ -154,8 +212,7 @@ class Allocator:
         if block.pool is not None:
             private = self.private.get(block.pool) if self.users.get(block.pool) else None
             if private is None:  # its pool has no users left: back to the device
-                self.reserved -= block.size
-                self.counts["segment_free"] += 1
+                self._release(block)
             else:
                 bisect.insort(private, block, key=_size)
             return
@@ -166,9 +223,8 @@ class Allocator:
         while cached > CACHE_KEEP:
             biggest = max((p for p in self.pools.values() if p), key=lambda p: p[-1].size)
             gone = biggest.pop()
-            self.reserved -= gone.size
+            self._release(gone)
             cached -= gone.size
-            self.counts["segment_free"] += 1
 
     # -- private pools ---------------------------------------------------------------------
     def use_pool(self, pool: Any) -> None:
@@ -185,8 +241,7 @@ class Allocator:
             return
         self.users.pop(pool, None)
         for block in self.private.pop(pool, []):
-            self.reserved -= block.size
-            self.counts["segment_free"] += 1
+            self._release(block)
 
     def route(self, pool: Any | None) -> None:
         """``use_mem_pool``: this thread's allocations go to ``pool`` (``None``: the
@@ -218,12 +273,14 @@ class Allocator:
 
     def empty_cache(self) -> None:
         """``torch.cuda.empty_cache()``: give back every free cached block (a private
-        pool's are kept while it has users, as PyTorch does)."""
+        pool's are kept while it has users, as PyTorch does). Counted as one
+        ``num_sync_all_streams``, PyTorch's release of its cached blocks (which here does not
+        wait for the streams: blocks still held for recorded streams' work stay held)."""
         self._collect()
+        self.counts["num_sync_all_streams"] += 1
         for pool in self.pools.values():
             for block in pool:
-                self.reserved -= block.size
-                self.counts["segment_free"] += 1
+                self._release(block)
             pool.clear()
 
     # -- allocating --------------------------------------------------------------------------
@@ -241,7 +298,7 @@ class Allocator:
         if n == 0:
             return torch.empty_strided(shape, stride, dtype=dtype, device="cpu"), None, True
         nbytes = n * itemsize
-        block, new = self._take(max(ROUND, -(-nbytes // ROUND) * ROUND), stream)
+        block, new = self._take(max(ROUND, -(-nbytes // ROUND) * ROUND), stream, nbytes)
         typed = block.views.get(dtype)
         if typed is None:  # (a block's size is a multiple of every dtype's size)
             typed = block.views[dtype] = block.buf.view(dtype)
@@ -258,7 +315,7 @@ class Allocator:
             setattr(view, _SPAN, (ptr, numel, ptr, ptr + nbytes, held, None))
         return view, Handle(self, block), new
 
-    def _take(self, size: int, stream: Any) -> tuple[_Block, bool]:
+    def _take(self, size: int, stream: Any, requested: int) -> tuple[_Block, bool]:
         self._collect(stream)
         private = self._private_of(stream) if stream.capture is not None or self.routes \
             else None
@@ -271,101 +328,129 @@ class Allocator:
         else:
             pool = self.pools.get(stream.stream_id)
         if pool:
+            small = size <= SMALL  # (PyTorch's small and large pools are apart)
             for i, block in enumerate(pool):
-                if size <= block.size <= 2 * size:
+                if size <= block.size <= 2 * size and (block.size <= SMALL) == small:
                     del pool[i]
                     held = block.region
                     if held is not None and held[0] is stream.sched.races:
                         held[3] += 1  # (the tracker's reused(), its region known)
                     else:
                         stream.sched.races.reused(block.buf)
-                    return self._use(block), False
+                    return self._use(block, requested), False
         if size >= _ONE_EB:
             self.counts["num_ooms"] += 1
             raise torch.cuda.OutOfMemoryError(
                 "CUDA out of memory. Tried to allocate more than 1EB memory.")
-        limit = TOTAL if self.limit is None else self.limit  # (the device's memory)
+        limit = self.allowed()
         if self.reserved + size > limit:
             self.counts["num_alloc_retries"] += 1
             self.empty_cache()
             if self.reserved + size > limit:
                 self.counts["num_ooms"] += 1
-                free = limit - self.reserved
+                total = self.capacity()
+                free = max(0, total - self.reserved)
                 how = "simulated_accelerator(memory=...)" if self.limit is not None else \
                     "the simulated device's default memory; simulated_accelerator(memory=...)"
+                share = "" if limit == total else (
+                    f" This process may reserve {_bytes_text(limit)} of it "
+                    f"(set_per_process_memory_fraction({self.fraction})).")
                 raise torch.cuda.OutOfMemoryError(
                     f"CUDA out of memory. Tried to allocate {_bytes_text(size)}. GPU {self.index} "
-                    f"has a total capacity of {_bytes_text(limit)} of which {_bytes_text(free)} is "
-                    f"free. Of the allocated memory {_bytes_text(self.allocated)} is allocated by "
-                    f"PyTorch, and {_bytes_text(self.reserved - self.allocated)} is reserved by "
-                    f"PyTorch but unallocated. (simulated: {how} sets it)")
+                    f"has a total capacity of {_bytes_text(total)} of which {_bytes_text(free)} is "
+                    f"free.{share} Of the allocated memory {_bytes_text(self.allocated)} is "
+                    f"allocated by PyTorch, and {_bytes_text(self.reserved - self.allocated)} is "
+                    f"reserved by PyTorch but unallocated. (simulated: {how} sets the capacity)")
         block = _Block(torch.empty(size, dtype=torch.uint8, device="cpu"), size, stream,
                        private)
-        self.reserved += size
-        self.counts["reserved_total"] += size
-        self.counts["segment"] += 1
-        self.peak_reserved = max(self.peak_reserved, self.reserved)
-        return self._use(block), True
+        self._new_segment(block)
+        return self._use(block, requested), True
 
-    def _use(self, block: _Block) -> _Block:
-        self.allocated += block.size
-        self.counts["allocated_total"] += block.size
-        self.counts["allocation"] += 1
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
+    def _use(self, block: _Block, requested: int) -> _Block:
+        kind = block.kind
+        self._bump("allocation", kind, 1)
+        self._bump("allocated_bytes", kind, block.size)
+        self._bump("active", kind, 1)
+        self._bump("active_bytes", kind, block.size)
+        self._bump("requested_bytes", kind, requested)
+        block.requested = requested
+        self.live[id(block)] = block
         return block
+
+    def capacity(self) -> int:
+        """The device's memory: the simulator's limit, else :data:`TOTAL`."""
+        return TOTAL if self.limit is None else self.limit
+
+    def allowed(self) -> int:
+        """The most this process may reserve: the device's memory times the fraction
+        ``set_per_process_memory_fraction`` set (PyTorch's allowed maximum)."""
+        cap = self.capacity()
+        return cap if self.fraction >= 1.0 else int(cap * self.fraction)
 
     # -- torch.cuda's view -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         self._collect()
         out: dict[str, Any] = {}
-        counts = self.counts
-        for key, cur, peak, total in (
-                ("allocated_bytes", self.allocated, self.peak_allocated,
-                 counts["allocated_total"]),
-                ("reserved_bytes", self.reserved, self.peak_reserved, counts["reserved_total"]),
-                ("active_bytes", self.allocated, self.peak_allocated, counts["allocated_total"])):
-            for pool in ("all", "small_pool", "large_pool"):
-                big = pool == "large_pool"
-                share = (cur, peak, total) if pool == "all" or big else (0, 0, 0)
-                out[f"{key}.{pool}.current"] = share[0]
-                out[f"{key}.{pool}.peak"] = share[1]
-                out[f"{key}.{pool}.allocated"] = share[2]
-                out[f"{key}.{pool}.freed"] = share[2] - share[0]
-        in_use = self.blocks_in_use()
-        segments = counts["segment"] - counts["segment_free"]
-        for key, cur, made, gone in (("allocation", in_use, counts["allocation"], counts["free"]),
-                                     ("active", in_use, counts["allocation"], counts["free"]),
-                                     ("segment", segments, counts["segment"],
-                                      counts["segment_free"])):
-            out[f"{key}.all.current"] = cur  # (now: blocks in use, segments reserved)
-            out[f"{key}.all.allocated"] = made  # (since the start or the last reset)
-            out[f"{key}.all.freed"] = gone
-        out["num_alloc_retries"] = counts["num_alloc_retries"]
-        out["num_ooms"] = counts["num_ooms"]
-        out["num_device_alloc"] = self.counts["segment"]
-        out["num_device_free"] = self.counts["segment_free"]
+        for key, (cur, peak, made, gone) in self.st.items():
+            out[f"{key}.current"] = cur
+            out[f"{key}.peak"] = peak
+            out[f"{key}.allocated"] = made
+            out[f"{key}.freed"] = gone
+        out.update(self.counts)
+        segments = self.st["segment.all"]
+        out["num_device_alloc"] = segments[2]  # (a segment is one cudaMalloc, and cudaFree)
+        out["num_device_free"] = segments[3]
         return dict(sorted(out.items()))
 
     def blocks_in_use(self) -> int:
-        return self.counts["allocation"] - self.counts["free"]
+        return self.st["allocation.all"][0]
 
     def reset_accumulated(self) -> None:
-        """``reset_accumulated_memory_stats``: the running totals start again from 0."""
+        """``reset_accumulated_memory_stats``: the running totals start again, from what is
+        held now (allocated - freed stays the current figure)."""
         self._collect()
-        counts = self.counts
-        counts["num_alloc_retries"] = counts["num_ooms"] = 0
-        counts["allocation"], counts["free"] = self.blocks_in_use(), 0
-        counts["segment"], counts["segment_free"] = counts["segment"] - counts["segment_free"], 0
-        counts["allocated_total"], counts["reserved_total"] = self.allocated, self.reserved
+        for stat in self.st.values():
+            stat[2], stat[3] = stat[0], 0
+        for key in self.counts:
+            self.counts[key] = 0
 
     def reset_peak(self) -> None:
         self._collect()
-        self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
+        for stat in self.st.values():
+            stat[1] = stat[0]
 
     def mem_get_info(self) -> tuple[int, int]:
         self._collect()
-        total = self.limit if self.limit is not None else TOTAL
+        total = self.capacity()
         return total - self.reserved, total
+
+    def segments(self, pool: Any = None) -> list[dict[str, Any]]:
+        """``memory_snapshot()``'s segments of this device (of private pool ``pool`` only,
+        if given), by address: each block is a segment of one block."""
+        self._collect()
+        blocks = [(b, "active_allocated") for b in self.live.values()]
+        blocks += [(b, "active_pending_free") for b in self.waiting]
+        for free in (*self.pools.values(), *self.private.values()):
+            blocks += [(b, "inactive") for b in free]
+        out = []
+        for block, state in blocks:
+            owner = block.pool if block.pool is not None else (0, 0)
+            if pool is not None and owner != pool:
+                continue
+            address = block.buf.data_ptr()
+            size, requested = block.size, block.requested
+            active = state != "inactive"
+            out.append({
+                "device": self.index, "address": address, "total_size": size,
+                "allocated_size": size if state == "active_allocated" else 0,
+                "active_size": size if active else 0, "requested_size": requested,
+                "stream": block.stream.cuda_stream,
+                "segment_type": "small" if block.kind == "small_pool" else "large",
+                "segment_pool_id": owner, "is_expandable": False, "frames": [],
+                "blocks": [{"address": address, "size": size, "requested_size": requested,
+                            "state": state, "frames": []}]})
+        out.sort(key=lambda seg: seg["address"])
+        return out
 
 
 _uids = itertools.count(1)
@@ -441,8 +526,9 @@ def cuda_names(allocators: list[Allocator], index_of: Any) -> dict[str, Any]:
         def use_count(self) -> int:
             return of(None).users.get(self._id, 0)
 
-        def snapshot(self, include_traces: bool = True) -> list[Any]:
-            return []
+        def snapshot(self, include_traces: bool = True) -> list[dict[str, Any]]:
+            """This pool's segments, as ``memory_snapshot(pool.id)`` gives them."""
+            return [seg for a in allocators for seg in a.segments(self._id)]
 
         def __del__(self) -> None:
             try:  # (may run anywhere, as the collector frees it: only a deque append)
@@ -479,4 +565,29 @@ def cuda_names(allocators: list[Allocator], index_of: Any) -> dict[str, Any]:
         "reset_max_memory_allocated": reset,
         "reset_accumulated_memory_stats": lambda device=None: of(device).reset_accumulated(),
         "empty_cache": empty_cache,
+    }
+
+
+def c_names(allocators: list[Allocator], index_of: Any) -> dict[str, Any]:
+    """The ``torch._C`` entry points of the allocator that ``torch.cuda.memory``'s Python
+    functions call: ``memory_snapshot``/``_snapshot`` (``_cuda_memorySnapshot``) and the
+    per-process memory fraction (``_cuda_setMemoryFraction``/``_cuda_getMemoryFraction``)."""
+
+    def snapshot(arg: Any = None) -> dict[str, Any]:
+        # (None: every pool; (a, b, include_traces): pool (a, b), (0, 0) meaning every one)
+        pool = None
+        if arg is not None:
+            pool = (int(arg[0]), int(arg[1]))
+            if pool == (0, 0):
+                pool = None
+        return {"segments": [seg for a in allocators for seg in a.segments(pool)],
+                "device_traces": [[] for _ in allocators]}  # (no history is recorded)
+
+    def set_fraction(fraction: float, device: Any = None) -> None:
+        allocators[index_of(device)].fraction = float(fraction)
+
+    return {
+        "_cuda_memorySnapshot": snapshot,
+        "_cuda_setMemoryFraction": set_fraction,
+        "_cuda_getMemoryFraction": lambda device=None: allocators[index_of(device)].fraction,
     }

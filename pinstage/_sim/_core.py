@@ -107,10 +107,10 @@ class SimState:
                                "fails as on a machine that cannot pin)")
         n = int(np.prod(shape, dtype=np.int64))
         nbytes = n * torch.empty((), dtype=dtype, device="cpu").element_size()
+        if nbytes == 0:  # (no block, as PyTorch's host allocator gives none for 0 bytes)
+            return torch.empty(shape, dtype=dtype, device="cpu")
         block = PinnedBlock(self.pinned, nbytes)
         raw = torch.from_numpy(np.asarray(block))
-        if nbytes == 0:
-            return torch.empty(shape, dtype=dtype, device="cpu")
         return raw.view(dtype).view(shape)
 
 

@@ -336,10 +336,16 @@ def names(sim: SimState, cudart: CudaRt) -> dict[Any, dict[str, Any]]:
     c = {  # entry points torch.cuda's Python layer and PyTorch's test harness call directly
         "_cuda_clearCublasWorkspaces": lambda: None,  # (no cuBLAS workspaces are simulated)
         "_host_emptyCache": lambda: None,  # (pinned memory is the host's: nothing cached)
+        "_cuda_hostMemoryStats": sim.pinned.stats.nested,
+        "_cuda_resetAccumulatedHostMemoryStats": sim.pinned.stats.reset_accumulated,
+        "_cuda_resetPeakHostMemoryStats": sim.pinned.stats.reset_peak,
         "_cuda_getStreamFromExternal": lambda ptr, device_index=None: cudart.external(ptr),
     }
+    # (torch.cuda.memory's own gate, a CPU build's is_initialized(), would answer {} there)
+    host = {"host_memory_stats_as_nested_dict": sim.pinned.stats.nested}
+    cuda.update(host)
     return {torch.cuda: cuda, torch.cuda.comm: comm, torch.nn.parallel.comm: comm,
-            torch._C: c, torch.cuda.nvtx: {"_nvtx": _NVTX}}
+            torch._C: c, torch.cuda.nvtx: {"_nvtx": _NVTX}, torch.cuda.memory: host}
 
 
 class _NoNvtx:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -22,8 +23,8 @@ import torch
 
 from .._errors import HazardError
 
-__all__ = ["PinnedRanges", "Registration", "PinnedBlock", "HostRead", "poison_", "host_bytes",
-           "span"]
+__all__ = ["HostStats", "PinnedRanges", "Registration", "PinnedBlock", "HostRead", "poison_",
+           "host_bytes", "span"]
 
 
 def poison_(t: torch.Tensor) -> None:
@@ -74,10 +75,71 @@ class Registration:
         self.ptr, self.size, self.alive = ptr, size, True
 
 
+class HostStats:
+    """``torch.cuda.host_memory_stats()`` of the simulated caching host allocator: its
+    blocks (sized up to a power of two, as PyTorch's) are not cached, so a block freed goes
+    back to the host at once (``allocations`` and ``active_requests`` are the same blocks, and
+    every free is a ``num_host_free``); the times are the host's, in microseconds."""
+
+    _STATS = ("allocations", "allocated_bytes", "active_requests", "active_bytes")
+
+    def __init__(self) -> None:
+        self.st = {k: [0, 0, 0, 0] for k in self._STATS}  # [current, peak, allocated, freed]
+        self.times = {k: [0, 0, 0, 0] for k in ("host_alloc_time", "host_free_time")}
+        self._lock = threading.Lock()  # (frees run wherever the collector does)
+
+    def _change(self, sign: int, nbytes: int, key: str, micros: int) -> None:
+        with self._lock:
+            for name, n in (("allocations", 1), ("allocated_bytes", nbytes),
+                            ("active_requests", 1), ("active_bytes", nbytes)):
+                stat = self.st[name]
+                stat[0] += sign * n
+                if sign > 0:
+                    stat[2] += n
+                    stat[1] = max(stat[1], stat[0])
+                else:
+                    stat[3] += n
+            total, most, least, count = self.times[key]  # [total, max, min, count]
+            self.times[key] = [total + micros, max(most, micros),
+                               micros if count == 0 else min(least, micros), count + 1]
+
+    def allocated(self, nbytes: int, micros: int) -> None:
+        self._change(1, nbytes, "host_alloc_time", micros)
+
+    def freed(self, nbytes: int, micros: int) -> None:
+        self._change(-1, nbytes, "host_free_time", micros)
+
+    def nested(self) -> dict[str, Any]:
+        """As ``torch._C._cuda_hostMemoryStats()`` gives them (nested dicts)."""
+        with self._lock:
+            out: dict[str, Any] = {
+                k: dict(zip(("current", "peak", "allocated", "freed"), v, strict=True))
+                for k, v in self.st.items()}
+            for key, (total, most, least, count) in self.times.items():
+                out[key] = {"total": total, "max": most, "min": least, "count": count,
+                            "avg": total // count if count else 0}
+            out["num_host_alloc"] = self.times["host_alloc_time"][3]
+            out["num_host_free"] = self.times["host_free_time"][3]
+        return out
+
+    def reset_accumulated(self) -> None:
+        with self._lock:  # (allocated - freed stays the current figure, as the device's)
+            for stat in self.st.values():
+                stat[2], stat[3] = stat[0], 0
+            for key in self.times:
+                self.times[key] = [0, 0, 0, 0]
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            for stat in self.st.values():
+                stat[1] = stat[0]
+
+
 class PinnedRanges:
     """Live pinned host memory ranges (start -> (end, owner)), for 'is this pointer pinned'."""
 
     def __init__(self) -> None:
+        self.stats = HostStats()  # (of the blocks torch pinned)
         self._starts: list[int] = []
         self._items: dict[int, tuple[int, Any]] = {}
         self._lock = threading.RLock()  # a block's __del__ may run inside add() (GC)
@@ -122,7 +184,10 @@ class PinnedBlock:
     ``Tensor.pin_memory()``. Queued reads keep it alive, as torch's allocator does on CUDA."""
 
     def __init__(self, ranges: PinnedRanges, nbytes: int) -> None:
-        self._buf = np.zeros(max(nbytes, 1) + 64, dtype=np.uint8)
+        # (its size rounded up to a power of two, as PyTorch's caching host allocator does)
+        self.size = 1 << max(nbytes - 1, 0).bit_length()
+        start = time.perf_counter_ns()
+        self._buf = np.zeros(self.size + 64, dtype=np.uint8)
         base = self._buf.ctypes.data
         self.ptr = (base + 63) // 64 * 64
         self.nbytes = nbytes
@@ -130,10 +195,14 @@ class PinnedBlock:
         self.__array_interface__ = {"data": (self.ptr, False), "shape": (nbytes,),
                                     "typestr": "|u1", "version": 3}
         ranges.add(self.ptr, self.ptr + max(nbytes, 1), self, weak=True)
+        ranges.stats.allocated(self.size, (time.perf_counter_ns() - start) // 1000)
 
     def __del__(self) -> None:
         try:
+            start = time.perf_counter_ns()
             self._ranges.remove(self.ptr)
+            del self._buf  # (the host memory goes back here)
+            self._ranges.stats.freed(self.size, (time.perf_counter_ns() - start) // 1000)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .._errors import DriverError, HazardError
+from ._alloc import c_names as _alloc_c_names
 from ._alloc import cuda_names, new_pool_id, pool_id_of
 from ._core import SimState, active, current
 from ._cuda_api import PRIORITY_RANGE, CudaRt, clamp_priority, error_string
@@ -722,6 +723,7 @@ def install(sim: SimState) -> Callable[[], None]:
     patches.install(torch.cuda.memory, {k: names[k] for k in ("MemPool", "use_mem_pool")})
     patches.install(torch.cuda.graphs, {"graph_pool_handle": names["graph_pool_handle"]})
     top, c_names = _torch_level_names(sim)
+    c_names.update(_alloc_c_names(sim.allocators, sched.device_index))
     top["Generator"] = _SimTorchGenerator
     for namespace, extra in _api_names(sim, cudart.raw).items():
         patches.install(namespace, extra)
