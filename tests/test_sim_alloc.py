@@ -329,3 +329,34 @@ def test_host_memory_stats_count_pinned_blocks(mode, seed):
         del t2
     if not torch.cuda.is_available():  # (a CPU build's answer again, the simulator closed)
         assert torch.cuda.host_memory_stats() == {}
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy", "random"])
+def test_empty_cache_waits_for_recorded_streams_and_gives_their_blocks_back(mode):
+    """As PyTorch's emptyCache, empty_cache() first waits for the work of the streams a freed
+    block was recorded for, so that block goes back to the device too (in lazy mode that work
+    is still queued: before, the block stayed reserved)."""
+    with simulated_accelerator(mode):
+        s1 = torch.cuda.Stream()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_reserved()
+        x = torch.ones(1 << 18, device="cuda")  # 1 MiB
+        s1.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s1):
+            y = x * 2
+        x.record_stream(s1)
+        del x
+        gc.collect()
+        torch.cuda.empty_cache()
+        assert torch.cuda.memory_reserved() == base + (1 << 20)  # (y's block only)
+        torch.cuda.current_stream().wait_stream(s1)
+        assert y.sum().item() == 2 * (1 << 18)
+
+
+def test_device_properties_report_the_simulated_memory_size():
+    """get_device_properties().total_memory is the device's size, as mem_get_info says."""
+    with simulated_accelerator("lazy", memory="8GiB"):
+        assert torch.cuda.get_device_properties(0).total_memory == 8 * 2**30
+        assert torch.cuda.mem_get_info()[1] == 8 * 2**30
+    with simulated_accelerator("lazy"):
+        assert torch.cuda.get_device_properties(0).total_memory == 80 * 2**30

@@ -273,11 +273,17 @@ class Allocator:
 
     def empty_cache(self) -> None:
         """``torch.cuda.empty_cache()``: give back every free cached block (a private
-        pool's are kept while it has users, as PyTorch does). Counted as one
-        ``num_sync_all_streams``, PyTorch's release of its cached blocks (which here does not
-        wait for the streams: blocks still held for recorded streams' work stay held)."""
+        pool's are kept while it has users, as PyTorch does). As PyTorch's, it first waits
+        on the host for the recorded streams' work that freed blocks are still held for, so
+        those go back too (one ``num_sync_all_streams``); not while a capture is underway."""
         self._collect()
         self.counts["num_sync_all_streams"] += 1
+        for block in list(self.waiting):
+            for s, seq, _ in block.pending:
+                if s.done < seq and not s.sched.capturing_any():
+                    s.sched.host_wait(s, seq, "torch.cuda.empty_cache() (a freed block's "
+                                      "recorded streams)", sync_debug=False)
+        self._collect()
         for pool in self.pools.values():
             for block in pool:
                 self._release(block)

@@ -673,7 +673,8 @@ def install(sim: SimState) -> Callable[[], None]:
         index = sched.device_index(device)
         return SimpleNamespace(uuid=uuid.UUID(int=0x5105_0000 + index, version=4),
                                name=driver.device_name(index), major=9, minor=0,
-                               total_memory=80 * 2**30, multi_processor_count=132,
+                               total_memory=sim.allocators[index].capacity(),
+                               multi_processor_count=132,
                                is_integrated=False)
 
     names: dict[str, Any] = {
