@@ -120,12 +120,16 @@ class Allocator:
         self.unused: collections.deque[Any] = collections.deque()  # users gone (from __del__)
         self.routes: dict[int, list[Any]] = {}  # thread id -> use_mem_pool ids, innermost last
         self.capture_reuse = False  # PyTorch's graph_capture_record_stream_reuse setting
+        self._pairs: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
 
     # -- statistics --------------------------------------------------------------------------
     def _bump(self, name: str, kind: str, n: int) -> None:
         """Stat ``name`` of pool ``kind`` (and of all) changes by ``n``."""
-        for key in (f"{name}.{kind}", f"{name}.all"):
-            stat = self.st[key]
+        pair = self._pairs.get((name, kind))
+        if pair is None:  # (the stats' lists, found once: every allocation and free bumps)
+            pair = self._pairs[(name, kind)] = (self.st[f"{name}.{kind}"],
+                                                self.st[f"{name}.all"])
+        for stat in pair:
             stat[0] += n
             if n > 0:
                 stat[2] += n
