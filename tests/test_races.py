@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -328,6 +329,18 @@ def test_memory_freed_and_reused_does_not_inherit_old_accesses():
             del t
 
 
+def _side_then_default(side: Any, default: Any) -> tuple[torch.Tensor, torch.cuda.Stream]:
+    """A 4x4 zeros matrix ``a``: ``side(a)`` queued on a side stream ordered after the zeros,
+    then ``default(a)`` on the default stream with no wait for it; (a, the side stream)."""
+    a = torch.zeros(4, 4, device="cuda")
+    s1 = torch.cuda.Stream()
+    s1.wait_stream(torch.cuda.current_stream())  # (after the zeros)
+    with torch.cuda.stream(s1):
+        side(a)
+    default(a)
+    return a, s1
+
+
 @pytest.mark.parametrize("mode,seed", SCHEDULES)
 def test_strided_accesses_race_only_where_their_elements_meet(mode, seed):
     """Column blocks of one matrix interleave in memory: two streams writing a[:, :2] and
@@ -335,28 +348,17 @@ def test_strided_accesses_race_only_where_their_elements_meet(mode, seed):
     a[:, 2:] share column 2 (a race); a strided write does not cover the bytes between its
     elements, so an earlier access there is still checked."""
     with simulated_accelerator(mode, seed=seed):
-        a = torch.zeros(4, 4, device="cuda")
-        s1 = torch.cuda.Stream()
-        s1.wait_stream(torch.cuda.current_stream())  # (after the zeros)
-        with torch.cuda.stream(s1):
-            a[:, :2].add_(1)
-        a[:, 2:].add_(2)  # (disjoint columns: no race)
+        a, s1 = _side_then_default(lambda a: a[:, :2].add_(1),
+                                   lambda a: a[:, 2:].add_(2))  # (disjoint columns: no race)
         torch.cuda.current_stream().wait_stream(s1)
         assert a.tolist() == [[1.0, 1.0, 2.0, 2.0]] * 4
     with pytest.raises(HazardError, match=r"write-after-write"):
         with simulated_accelerator(mode, seed=seed):
-            a = torch.zeros(4, 4, device="cuda")
-            s1 = torch.cuda.Stream()
-            s1.wait_stream(torch.cuda.current_stream())  # (after the zeros)
-            with torch.cuda.stream(s1):
-                a[:, :3].add_(1)
-            a[:, 2:].add_(2)  # (column 2 is both's)
+            _side_then_default(lambda a: a[:, :3].add_(1),
+                               lambda a: a[:, 2:].add_(2))  # (column 2 is both's)
     with pytest.raises(HazardError, match=r"read-after-write"):
         with simulated_accelerator(mode, seed=seed):
-            a = torch.zeros(4, 4, device="cuda")
-            s1 = torch.cuda.Stream()
-            s1.wait_stream(torch.cuda.current_stream())  # (after the zeros)
-            with torch.cuda.stream(s1):
-                a[:, 1].fill_(1)
-            a[:, ::2].fill_(2)  # (columns 0 and 2: their hull holds column 1, not its bytes)
-            a.sum()  # reads s1's columns, unordered
+            # (columns 0 and 2 on the default stream: their hull holds column 1, not its
+            # bytes), then a read of s1's column, unordered
+            _side_then_default(lambda a: a[:, 1].fill_(1),
+                               lambda a: [a[:, ::2].fill_(2), a.sum()])

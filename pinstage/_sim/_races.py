@@ -24,6 +24,7 @@ already: on a GPU nothing says it has). Host writes through a NumPy view are not
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 from typing import Any
@@ -277,7 +278,6 @@ class RaceTracker:
                         host.get(p[_SID], 0) < p[_SEQ])]
                 r.append(a)
 
-
     # -- the host's own accesses to pinned memory ------------------------------------------
     def host_access(self, what: str, reads: Any = (), writes: Any = ()) -> None:
         """The host's ``what`` reads ``reads`` and writes ``writes`` (host tensors) now:
@@ -367,7 +367,7 @@ def _overlaps(a: Access, p: Access) -> bool:
     for x in (a, p):
         st = x[_STRIDE]
         if st is not None and (any(v < 0 for v in st) or
-                               _numel(x[_SHAPE]) > _PRECISE):
+                               math.prod(x[_SHAPE]) > _PRECISE):
             return True
     sa, za = _starts(a)
     sp, zp = _starts(p)
@@ -376,13 +376,6 @@ def _overlaps(a: Access, p: Access) -> bool:
     idx = np.searchsorted(sa, sp + zp, side="left") - 1
     hit = idx >= 0
     return bool(np.any(sa[idx[hit]] + za > sp[hit]))
-
-
-def _numel(shape: Any) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _error(kind: str, cur: Access, prev: Access, prev_verb: str) -> HazardError:

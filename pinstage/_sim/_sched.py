@@ -382,7 +382,7 @@ class Scheduler:
         if isinstance(device, SimStream):
             return device.device_index
         idx = getattr(device, "idx", None)  # (a torch.cuda.device / device_of context)
-        if isinstance(idx, int) and not isinstance(device, (str, torch.device)):
+        if isinstance(idx, int):
             device = idx
         if isinstance(device, int) and not isinstance(device, bool):
             index: int | None = device

@@ -737,16 +737,23 @@ class SimFunctionMode(TorchFunctionMode):
             # SimTensor.__torch_function__ (most of the cost of a small simulated op is such
             # round trips)
             return _torch_function(func, args, kwargs)
-        if sim.sched.races.watch and not in_kernel() and \
-                all(t is torch.Tensor for t in types):
-            frame = _race_entry.frame
-            if frame is not None and not frame.f_code.co_filename.startswith(_SIM_DIR):
-                return _host_op(sim, func, args, kwargs)
+        if sim.sched.races.watch and all(t is torch.Tensor for t in types) and \
+                _users_host_call():
+            return _host_op(sim, func, args, kwargs)
         return func(*args, **kwargs)
 
 
 # the simulator's own files: their torch calls on host memory are its own, never the user's
 _SIM_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _users_host_call() -> bool:
+    """Whether the torch call being simulated now is the user's host code (not a kernel's
+    body, not the simulator's own work)."""
+    if in_kernel():
+        return False
+    frame = _race_entry.frame
+    return frame is not None and not frame.f_code.co_filename.startswith(_SIM_DIR)
 
 
 def _host_op(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -837,11 +844,9 @@ def _mode_copy_(self: torch.Tensor, src: Any, non_blocking: bool = False) -> tor
     if is_device(self) or is_device(src):
         return _copy_(self, src, non_blocking)
     sim = current()
-    if sim is not None and sim.sched.races.watch and not in_kernel():
-        frame = _race_entry.frame
-        if frame is not None and not frame.f_code.co_filename.startswith(_SIM_DIR):
-            sim.sched.races.host_access("copy_", (src,) if isinstance(src, torch.Tensor)
-                                        else (), (self,))
+    if sim is not None and sim.sched.races.watch and _users_host_call():
+        sim.sched.races.host_access("copy_", (src,) if isinstance(src, torch.Tensor) else (),
+                                    (self,))
     with torch._C.DisableTorchFunction():
         return self.copy_(src, non_blocking)
 
