@@ -50,6 +50,8 @@ _USER_CODE: dict[int, tuple[Any, bool]] = {}
 class _Entry(threading.local):
     frame: Any = None
     host_op = False  # a torch call the user's code makes on host tensors is running
+    learn: Any = None  # the simulator's dispatches seen while it learns a call (_tensor)
+    direct: Any = None  # (aten op, the torch binding it stands for) on the direct path
 
 
 # The frame that called the torch function being simulated now, on this thread (set by the

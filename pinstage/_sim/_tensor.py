@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._core import SimState, active, current
 from ._races import entry as _race_entry
-from ._races import host_written
+from ._races import host_written, schema_writes
 from ._sched import Op, in_kernel
 
 __all__ = ["SimDispatchMode", "SimFunctionMode", "SimTensor", "OPS", "register_op",
@@ -568,7 +569,13 @@ def _torch_dispatch(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     with sim.sched.lock:
         known = _HANDLERS.get(id(func))
         handler = known[1] if known is not None else _handler(func)
-        return handler(sim, func, args, kwargs)
+        learn = _race_entry.learn
+        if learn is None:
+            return handler(sim, func, args, kwargs)
+        seen = [func, args, kwargs, learn]  # (see _direct_function)
+        learn.append(seen)
+        seen[3] = handler(sim, func, args, kwargs)
+        return seen[3]
 
 
 def devices_of(flat: list[Any], allow_cpu: bool) -> tuple[torch.device, bool]:
@@ -736,11 +743,99 @@ class SimFunctionMode(TorchFunctionMode):
             # what ``func(...)`` would do next, without going back through torch to find
             # SimTensor.__torch_function__ (most of the cost of a small simulated op is such
             # round trips)
+            if type(func) in _BINDINGS and func not in _TF:
+                return _direct_function(func, args, kwargs)
             return _torch_function(func, args, kwargs)
         if sim.sched.races.watch and all(t is torch.Tensor for t in types) and \
                 _users_host_call():
             return _host_op(sim, func, args, kwargs)
         return func(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# the direct path: a torch binding that is one aten op on the same arguments
+
+# torch's C bindings (Tensor methods, torch.* functions, slots such as __add__): what they do
+# on a simulated tensor is parse the arguments, run the dispatcher down to the Python key and
+# come back up into the simulator (most of a small op's cost)
+_BINDINGS = (types.MethodDescriptorType, types.BuiltinFunctionType,
+             types.WrapperDescriptorType)
+# (binding, argument types, keyword names and types) -> (aten overload, the positions and
+# names of the arguments it writes), or None: not one aten op on the same arguments
+_DIRECT: dict[Any, Any] = {}
+_len_tf = torch._C._len_torch_function_stack
+_len_td = torch._C._len_torch_dispatch_stack
+_pop_td = torch._C._pop_torch_dispatch_stack
+_push_td = torch._C._push_on_torch_dispatch_stack
+_autocast = torch._C._is_any_autocast_enabled
+_functorch = torch._C._are_functorch_transforms_active
+_bump_version = torch._C._increment_version
+_NO_SUBCLASS_TF = torch._C.DisableTorchFunctionSubclass
+
+
+def _direct_function(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """``func(*args, **kwargs)`` of a torch binding on simulated tensors. The first call of a
+    kind (the binding, its arguments' types, its keywords) goes through torch and is watched:
+    if torch's dispatcher reached the simulator with exactly one aten op, over the same
+    argument objects, and gave back its result unchanged, later calls of that kind go to
+    that op's handler directly, as the dispatcher would (the version counters of what it
+    writes bumped, as torch's ADInplaceOrView kernel does). Only while nothing else could
+    have come between: no other function or dispatch mode, no autocast, no functorch
+    transform (each could change what the dispatcher does)."""
+    key = (func, tuple(map(type, args)), tuple(kwargs), tuple(map(type, kwargs.values()))) \
+        if kwargs else (func, tuple(map(type, args)))
+    known = _DIRECT.get(key, _UNSEEN)
+    if known is None or _len_tf() or _len_td() != 1 or _autocast() or _functorch():
+        return _torch_function(func, args, kwargs)
+    if known is _UNSEEN:
+        return _learn(key, func, args, kwargs)
+    op, written = known
+    e = _race_entry
+    prev = e.direct
+    e.direct = (op, func)  # (the op's kernel may run as this binding on host tensors)
+    mode = _pop_td(None)  # (as torch does while a dispatch mode's handler runs)
+    try:
+        with _NO_SUBCLASS_TF():
+            out = _torch_dispatch(op, args, kwargs)
+    finally:
+        _push_td(mode)
+        e.direct = prev
+    if written:
+        bumped = [w for j, name in written if isinstance(
+            w := kwargs[name] if name in kwargs else args[j] if j < len(args) else None,
+            torch.Tensor)]
+        if bumped:
+            _bump_version(bumped)
+    return out
+
+
+_UNSEEN = object()
+
+
+def _learn(key: Any, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """The first call of a kind, through torch, watched: see :func:`_direct_function`."""
+    e = _race_entry
+    prev = e.learn
+    seen: list[list[Any]] = []
+    e.learn = seen
+    try:
+        out = _torch_function(func, args, kwargs)
+    finally:
+        e.learn = prev
+    direct = None
+    if len(seen) == 1:
+        op, a, k, res = seen[0]
+        if isinstance(op, torch._ops.OpOverload) and len(a) == len(args) and \
+                all(x is y for x, y in zip(a, args)) and k.keys() == kwargs.keys() and \
+                all(k[n] is kwargs[n] for n in k) and "device" not in k and (
+                    out is res or (type(out) is type(res) and type(out) in (tuple, list) and
+                                   len(out) == len(res) and
+                                   all(x is y for x, y in zip(out, res)))):
+            direct = (op, schema_writes(op))
+    if len(_DIRECT) > 4096:
+        _DIRECT.clear()
+    _DIRECT[key] = direct
+    return out
 
 
 # the simulator's own files: their torch calls on host memory are its own, never the user's
