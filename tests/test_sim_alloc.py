@@ -56,6 +56,30 @@ def test_reuse_on_the_same_stream_keeps_values_right(mode, seed):
 
 
 @pytest.mark.parametrize("mode,seed", SCHEDULES)
+def test_reused_memory_has_its_new_owners_layout(mode, seed):
+    """A block hands out the tensor it last was for the same layout again, unless a kernel
+    changed that tensor's metadata in place (resize_): then a fresh one of the layout."""
+    with simulated_accelerator(mode, seed=seed):
+        for _ in range(3):
+            x = torch.zeros(6, device="cuda")
+            x.resize_(3)
+            w = torch.zeros(6, device="cuda")
+            w.resize_(2, 3)
+            m = torch.zeros(3, 3, device="cuda")
+            m.t_()  # (the same size, other strides)
+            torch.cuda.synchronize()  # (these have run on the old owners' memory)
+            del x, w, m
+            y = torch.ones(6, device="cuda")
+            assert y.tolist() == [1.0] * 6
+            a = torch.empty(3, 3, device="cuda")
+            a.copy_(torch.arange(9.0).reshape(3, 3))
+            assert a.as_strided((9,), (1,)).tolist() == [float(i) for i in range(9)]
+            z = y.as_strided((3,), (2,)).contiguous()  # (another layout of its own block)
+            assert z.tolist() == [1.0] * 3
+            del y, z
+
+
+@pytest.mark.parametrize("mode,seed", SCHEDULES)
 def test_a_missing_record_stream_is_a_hazard_at_reuse(mode, seed):
     with simulated_accelerator(mode, seed=seed):
         main, side = torch.cuda.current_stream(), torch.cuda.Stream()

@@ -23,6 +23,7 @@ import bisect
 import collections
 import contextlib
 import itertools
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,8 +42,8 @@ CACHE_KEEP = 256 * 2**20
 
 
 class _Block:
-    __slots__ = ("buf", "cap_pending", "kind", "pending", "pool", "region", "requested", "size",
-                 "stream", "views")
+    __slots__ = ("buf", "cap_pending", "kind", "layouts", "pending", "pool", "ptr", "region",
+                 "requested", "size", "stream", "views")
 
     def __init__(self, buf: torch.Tensor, size: int, stream: Any, pool: Any = None) -> None:
         self.buf, self.size, self.stream = buf, size, stream
@@ -57,6 +58,10 @@ class _Block:
         # then) each; held while any capture is underway, as PyTorch does (see _collect)
         self.cap_pending: list[tuple[Any, int]] | None = None
         self.views: dict[torch.dtype, torch.Tensor] = {}  # the whole block, per dtype
+        # the tensors it was last handed out as, by (shape, stride, dtype): the next owner of
+        # that layout gets the same one (making a view is most of an allocation's cost)
+        self.layouts: dict[Any, torch.Tensor] = {}
+        self.ptr = buf.data_ptr()
         self.region: Any = None  # what the race tracker knows of its memory (its _region)
 
 
@@ -120,46 +125,49 @@ class Allocator:
         self.unused: collections.deque[Any] = collections.deque()  # users gone (from __del__)
         self.routes: dict[int, list[Any]] = {}  # thread id -> use_mem_pool ids, innermost last
         self.capture_reuse = False  # PyTorch's graph_capture_record_stream_reuse setting
-        self._pairs: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
+        # per pool kind, the stat lists (of the kind and of "all") each event moves, found
+        # once: every allocation and free moves ten of them
+        st = self.st
+
+        def lists(kind: str, *names: str) -> tuple[list[int], ...]:
+            return tuple(st[f"{n}.{k}"] for n in names for k in (kind, "all"))
+
+        self._rows = {kind: (lists(kind, "allocation", "active"),
+                             lists(kind, "allocated_bytes", "active_bytes"),
+                             lists(kind, "requested_bytes"), lists(kind, "allocation"),
+                             lists(kind, "allocated_bytes"), lists(kind, "active"),
+                             lists(kind, "active_bytes"), lists(kind, "segment"),
+                             lists(kind, "reserved_bytes"))
+                      for kind in _KINDS[1:]}
+        self._allocated = st["allocated_bytes.all"]
+        self._reserved = st["reserved_bytes.all"]
 
     # -- statistics --------------------------------------------------------------------------
-    def _bump(self, name: str, kind: str, n: int) -> None:
-        """Stat ``name`` of pool ``kind`` (and of all) changes by ``n``."""
-        pair = self._pairs.get((name, kind))
-        if pair is None:  # (the stats' lists, found once: every allocation and free bumps)
-            pair = self._pairs[(name, kind)] = (self.st[f"{name}.{kind}"],
-                                                self.st[f"{name}.all"])
-        for stat in pair:
-            stat[0] += n
-            if n > 0:
-                stat[2] += n
-                if stat[0] > stat[1]:
-                    stat[1] = stat[0]
-            else:
-                stat[3] -= n
-
     @property
     def allocated(self) -> int:
-        return self.st["allocated_bytes.all"][0]
+        return self._allocated[0]
 
     @property
     def reserved(self) -> int:
-        return self.st["reserved_bytes.all"][0]
+        return self._reserved[0]
 
     def _new_segment(self, block: _Block) -> None:
-        self._bump("segment", block.kind, 1)
-        self._bump("reserved_bytes", block.kind, block.size)
+        rows = self._rows[block.kind]
+        _up(rows[_SEGMENT], 1)
+        _up(rows[_RESERVED], block.size)
 
     def _release(self, block: _Block) -> None:
         """``block`` goes back to the device (cudaFree)."""
-        self._bump("segment", block.kind, -1)
-        self._bump("reserved_bytes", block.kind, -block.size)
+        rows = self._rows[block.kind]
+        _down(rows[_SEGMENT], 1)
+        _down(rows[_RESERVED], block.size)
 
     def _inactive(self, block: _Block) -> None:
         """A freed block no work is pending on: no longer active."""
-        self._bump("active", block.kind, -1)
-        self._bump("active_bytes", block.kind, -block.size)
-        self._bump("requested_bytes", block.kind, -block.requested)
+        rows = self._rows[block.kind]
+        _down(rows[_ACTIVE], 1)
+        _down(rows[_ACTIVE_BYTES], block.size)
+        _down(rows[_REQUESTED], block.requested)
         block.requested = 0
 
     # -- freeing -----------------------------------------------------------------------------
@@ -172,8 +180,9 @@ class Allocator:
         while freed:
             block = freed.popleft()
             self.live.pop(id(block), None)
-            self._bump("allocation", block.kind, -1)
-            self._bump("allocated_bytes", block.kind, -block.size)
+            rows = self._rows[block.kind]
+            _down(rows[_ALLOCATION], 1)
+            _down(rows[_ALLOCATED], block.size)
             if block.pending:  # (still active, as PyTorch's until its events complete)
                 self.waiting.append(block)
             else:
@@ -301,28 +310,34 @@ class Allocator:
         view of its block), the block's handle (``None`` for no bytes) and whether the block
         is new (a reused one holds its last owner's bytes, which queued work may still
         read: nothing may write it now)."""
-        itemsize = _ITEMSIZE.get(dtype)
-        if itemsize is None:
-            itemsize = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype, device="cpu").element_size()
-        n = 0 if 0 in shape else 1 + sum((d - 1) * s for d, s in zip(shape, stride))
-        if n == 0:
+        key = (shape, stride, dtype)
+        layout = _LAYOUTS.get(key)
+        if layout is None:
+            layout = _layout(shape, stride, dtype)
+        nbytes, size, numel = layout
+        if nbytes == 0:
             return torch.empty_strided(shape, stride, dtype=dtype, device="cpu"), None, True
-        nbytes = n * itemsize
-        block, new = self._take(max(ROUND, -(-nbytes // ROUND) * ROUND), stream, nbytes)
-        typed = block.views.get(dtype)
-        if typed is None:  # (a block's size is a multiple of every dtype's size)
-            typed = block.views[dtype] = block.buf.view(dtype)
-        view = typed.as_strided(shape, stride)
+        block, new = self._take(size, stream, nbytes)
         races = stream.sched.races
         held = block.region
         if held is None or held[0] is not races:
             held = block.region = races._region(block.buf)
-        numel = 1
-        for d in shape:
-            numel *= d
+        view = block.layouts.get(key)
+        # (its last owner is gone; a kernel that changed its metadata in place, resize_ or
+        # set_, makes it another tensor's)
+        if view is not None and view.data_ptr() == block.ptr and view.size() == shape and \
+                view.stride() == stride:
+            return view, Handle(self, block), new
+        typed = block.views.get(dtype)
+        if typed is None:  # (a block's size is a multiple of every dtype's size)
+            typed = block.views[dtype] = block.buf.view(dtype)
+        view = typed.as_strided(shape, stride)
         ptr = view.data_ptr()  # (the race tracker's span of it, known here: see _races._span)
         if view.is_contiguous():  # (else _races works out its strided span)
             setattr(view, _SPAN, (ptr, numel, ptr, ptr + nbytes, held, None))
+        if len(block.layouts) >= 8:
+            block.layouts.clear()
+        block.layouts[key] = view
         return view, Handle(self, block), new
 
     def _take(self, size: int, stream: Any, requested: int) -> tuple[_Block, bool]:
@@ -377,12 +392,10 @@ class Allocator:
         return self._use(block, requested), True
 
     def _use(self, block: _Block, requested: int) -> _Block:
-        kind = block.kind
-        self._bump("allocation", kind, 1)
-        self._bump("allocated_bytes", kind, block.size)
-        self._bump("active", kind, 1)
-        self._bump("active_bytes", kind, block.size)
-        self._bump("requested_bytes", kind, requested)
+        rows = self._rows[block.kind]
+        _up(rows[_COUNTS], 1)  # allocation, active
+        _up(rows[_BYTES], block.size)  # allocated_bytes, active_bytes
+        _up(rows[_REQUESTED], requested)
         block.requested = requested
         self.live[id(block)] = block
         return block
@@ -483,6 +496,47 @@ def pool_id_of(pool: Any) -> tuple[int, int]:
 
 def _size(block: _Block) -> int:
     return block.size
+
+
+# Allocator._rows' entries: the stat lists an allocation moves up (counts, bytes, requested
+# bytes), and those a free, an inactive block and a segment move
+_COUNTS, _BYTES, _REQUESTED, _ALLOCATION, _ALLOCATED, _ACTIVE, _ACTIVE_BYTES, _SEGMENT, \
+    _RESERVED = range(9)
+
+
+def _up(stats: tuple[list[int], ...], n: int) -> None:
+    """Stats ([current, peak, allocated, freed] each) grow by ``n``."""
+    for stat in stats:
+        cur = stat[0] + n
+        stat[0] = cur
+        stat[2] += n
+        if cur > stat[1]:
+            stat[1] = cur
+
+
+def _down(stats: tuple[list[int], ...], n: int) -> None:
+    """Stats shrink by ``n``."""
+    for stat in stats:
+        stat[0] -= n
+        stat[3] += n
+
+
+# (shape, stride, dtype) -> (bytes it spans, the block size it takes, elements)
+_LAYOUTS: dict[tuple[Any, Any, torch.dtype], tuple[int, int, int]] = {}
+
+
+def _layout(shape: tuple[int, ...], stride: tuple[int, ...],
+            dtype: torch.dtype) -> tuple[int, int, int]:
+    itemsize = _ITEMSIZE.get(dtype)
+    if itemsize is None:
+        itemsize = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype, device="cpu").element_size()
+    n = 0 if 0 in shape else 1 + sum((d - 1) * s for d, s in zip(shape, stride))
+    nbytes = n * itemsize
+    layout = (nbytes, max(ROUND, -(-nbytes // ROUND) * ROUND), math.prod(shape))
+    if len(_LAYOUTS) > 4096:
+        _LAYOUTS.clear()
+    _LAYOUTS[(shape, stride, dtype)] = layout
+    return layout
 
 
 _ONE_EB = 2**60  # CUDA's caching allocator refuses any single request from here on
