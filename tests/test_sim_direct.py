@@ -32,6 +32,7 @@ def _program(device: str) -> list[object]:
         out.append(torch.sub(x, y, alpha=3).tolist())
         out.append((x > 2).tolist())
         out.append(torch.where(x > 2, x, y).tolist())
+        out.append((x.sum().item(), m.sum(dim=1).tolist(), torch.clamp(x, min=2.0).tolist()))
         x.add_(1)
         y.mul_(2)
         out.append(x.tolist())

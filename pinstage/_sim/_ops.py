@@ -14,6 +14,7 @@ op, and ``sim.launch``.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -278,7 +279,10 @@ def _deferred(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> An
             if type(x) is Proxy:
                 proxy = True
             inner = x._inner
-            parts.append((x.shape, x.stride(), x.dtype, True))
+            lk = x._lk
+            if lk is None:
+                lk = x._lk = (x.shape, x.stride(), x.dtype, True)
+            parts.append(lk)
             if x._host is not None:
                 uva.append(x)
             inner_flat.append(inner)
@@ -357,9 +361,14 @@ def _deferred(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> An
     elif seed is None and len(fresh) == 1 and fresh[0][0] == 0 and \
             isinstance(meta_out, torch.Tensor) and call is not func:
         out0 = fresh[0][1]
-
-        def run(_: list[torch.Tensor]) -> None:  # (one fresh output, by the binding)
-            out0.copy_(call(*ia, **ik))
+        into = _torch_out(call, key, flat, spec, meta_out) if plan.out_fn is not None and \
+            key is not None else None
+        if into is not None:
+            def run(_: list[torch.Tensor]) -> None:  # (one fresh output, by torch.<op>(out=))
+                into(*ia, **ik, out=out0)
+        else:
+            def run(_: list[torch.Tensor]) -> None:  # (one fresh output, by the binding)
+                out0.copy_(call(*ia, **ik))
     elif seed is None and len(fresh) == 1 and fresh[0][0] == 0 and \
             isinstance(meta_out, torch.Tensor):
         out0 = fresh[0][1]
@@ -387,6 +396,37 @@ def _deferred(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> An
     sim.sched.enqueue(sim.sched.current_stream(index),
                       Op(label, run, reads, host_writes=host_writes, acc=(name, dev_reads, writes)))
     return result
+
+
+# (the shape cache's key of a call, torch binding's name) -> torch's function of that name,
+# which takes these arguments with out=, or None
+_TORCH_OUT: dict[Any, Any] = {}
+
+
+def _torch_out(binding: Any, key: Any, flat: list[Any], spec: Any, meta_out: Any) -> Any:
+    """``torch.<name>`` of a binding whose aten op has an ``out=`` overload of the same
+    arguments (``Tensor.add`` -> ``torch.add``), if it takes this call's arguments with
+    ``out=`` (tried once on meta tensors): it writes the result straight into the output's
+    memory (the binding's result and a copy cost twice that)."""
+    name = getattr(binding, "__name__", "")
+    known = _TORCH_OUT.get((key, name), _NOT_TRIED)
+    if known is _NOT_TRIED:
+        known = getattr(torch, name, None)
+        if isinstance(known, types.BuiltinFunctionType):
+            try:
+                ma, mk = _unflatten([_meta(x) for x in flat], spec)
+                known(*ma, **mk, out=torch.empty_like(meta_out))
+            except Exception:  # noqa: BLE001 - (its Python signature differs: no out= here)
+                known = None
+        else:
+            known = None
+        if len(_TORCH_OUT) > 4096:
+            _TORCH_OUT.clear()
+        _TORCH_OUT[(key, name)] = known
+    return known
+
+
+_NOT_TRIED = object()
 
 
 _SCATTERS = {aten.scatter_, aten.scatter, aten.index_put_, aten.index_put,

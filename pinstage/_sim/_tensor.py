@@ -116,6 +116,9 @@ class SimTensor(torch.Tensor):
     _sim_device: torch.device
     _block: Any
     _proxy: Proxy  # this tensor seen as ``cpu``, once made (``_to_proxy``)
+    # (shape, stride, dtype, True): its part of the simulator's shape-cache keys, found once
+    # (a wrapper's metadata does not change; reading it is three calls into torch)
+    _lk: Any = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
         """A copy on the same simulated device: a device-to-device copy queued on the
@@ -159,6 +162,7 @@ class Proxy(torch.Tensor):
     _sim_device: torch.device
 
     _block: Any
+    _lk: Any = None
 
     @staticmethod
     def __new__(cls, inner: torch.Tensor, device: torch.device, host: Any = None,
