@@ -100,3 +100,63 @@ def test_a_users_function_mode_below_the_simulators_sees_every_call(mode):
                 x.add_(1)
             assert x.tolist() == [2.0 * CALLS] * 4
     assert counting.seen.count("add_") == 2 * CALLS
+
+
+def _indexing(device: str) -> list[object]:
+    """Basic indexing (a view, made on the host tensor) and assignment through it, and the
+    other indexing that still goes through torch, on ``device``."""
+    out: list[object] = []
+    x = torch.arange(8.0, device=device)
+    m = torch.arange(12.0, device=device).reshape(3, 4)
+    for _ in range(CALLS):
+        out.append([x[1:5].tolist(), x[2].item(), x[-1].item(), x[::3].tolist(),
+                    m[1, ::2].tolist(), m[..., 1].tolist(), m[None, 1:3].shape,
+                    m[:, -2:].stride(), m[1:, 1:].storage_offset()])
+        v = x[1:3]
+        v.fill_(7.0)  # (the view writes its base's memory)
+        x[5:7] = 2.5
+        x[0] = True
+        m[1] = 4
+        m[:, 3] = x[:3]  # (a device tensor, copied into the view)
+        m[torch.tensor([0, 2], device=device)] = -1.0  # (advanced indexing: through torch)
+        n = torch.tensor(3, device=device)
+        out.append(x[:n].tolist())  # (a bound read from the device: through torch)
+        out.append([x.tolist(), m.tolist()])
+        with pytest.raises(IndexError) as err:
+            x[8]
+        out.append(str(err.value))
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_basic_indexing_gives_what_cpu_gives(mode):
+    expected = _indexing("cpu")
+    with simulated_accelerator(mode):
+        got = _indexing("cuda")
+    assert got == expected
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_users_dispatch_mode_sees_basic_indexing(mode):
+    with simulated_accelerator(mode):
+        x = torch.zeros(8, device="cuda")
+        x[1:3] = 1.0
+        with _CountingDispatch() as counting:
+            y = x[1:3]
+            x[4:6] = 2.0
+        assert "slice" in counting.seen and "fill_" in counting.seen
+        assert y.tolist() == [1.0, 1.0]
+        assert x.tolist() == [0.0, 1.0, 1.0, 0.0, 2.0, 2.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_assignment_through_basic_indexing_on_a_side_stream_is_checked_for_races(mode):
+    from pinstage.testing import HazardError
+
+    with simulated_accelerator(mode):
+        x = torch.zeros(8, device="cuda")
+        side = torch.cuda.Stream()
+        y = x * 2  # read on the default stream
+        with torch.cuda.stream(side), pytest.raises(HazardError, match="fill_"):
+            x[0:4] = 1.0  # written on the side stream, not ordered after the read
+        del y

@@ -16,6 +16,7 @@ that catch ``device="cuda"`` before any dispatch.
 
 from __future__ import annotations
 
+import operator
 import os
 import sys
 import threading
@@ -748,6 +749,11 @@ class SimFunctionMode(TorchFunctionMode):
             # SimTensor.__torch_function__ (most of the cost of a small simulated op is such
             # round trips)
             if type(func) in _BINDINGS and func not in _TF:
+                basic = _BASIC_INDEXING.get(func)
+                if basic is not None and not kwargs and len(args) >= 2 and _nothing_between():
+                    idx = _basic_index(args[1])
+                    if idx is not _NOT_BASIC:
+                        return basic(args[0], idx, *args[2:])
                 return _direct_function(func, args, kwargs)
             return _torch_function(func, args, kwargs)
         if sim.sched.races.watch and all(t is torch.Tensor for t in types) and \
@@ -789,7 +795,7 @@ def _direct_function(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     key = (func, tuple(map(type, args)), tuple(kwargs), tuple(map(type, kwargs.values()))) \
         if kwargs else (func, tuple(map(type, args)))
     known = _DIRECT.get(key, _UNSEEN)
-    if known is None or _len_tf() or _len_td() != 1 or _autocast() or _functorch():
+    if known is None or not _nothing_between():
         return _torch_function(func, args, kwargs)
     if known is _UNSEEN:
         return _learn(key, func, args, kwargs)
@@ -814,6 +820,75 @@ def _direct_function(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
 
 
 _UNSEEN = object()
+
+
+def _nothing_between() -> bool:
+    """Whether torch would go from the simulator's function mode straight to its dispatch
+    mode: no other function or dispatch mode, no autocast, no functorch transform."""
+    return not _len_tf() and _len_td() == 1 and not _autocast() and not _functorch()
+
+
+# basic indexing: ints, slices of ints, None and Ellipsis (a view, no device value read)
+_INDEX_TYPES = (int, type(None), type(Ellipsis))
+
+
+def _basic_index(idx: Any) -> Any:
+    """``idx`` of ``__getitem__``/``__setitem__`` if it is basic indexing, else
+    ``_NOT_BASIC``. A slice's bounds may be device tensors: they are read on the host
+    (``__index__``: the host waits for the stream, as torch's binding does)."""
+    for i in (idx if type(idx) is tuple else (idx,)):
+        t = type(i)
+        if t is slice:
+            for b in (i.start, i.stop, i.step):
+                if type(b) not in _INDEX_TYPES:
+                    if type(b) is SimTensor and b.dim() == 0:
+                        return _host_bounds(idx)
+                    return _NOT_BASIC
+        elif t not in _INDEX_TYPES:
+            return _NOT_BASIC
+    return idx
+
+
+_NOT_BASIC = object()
+
+
+def _host_bounds(idx: Any) -> Any:
+    def bound(b: Any) -> Any:
+        return b if type(b) in _INDEX_TYPES else operator.index(b)
+
+    def one(i: Any) -> Any:
+        return slice(bound(i.start), bound(i.stop), bound(i.step)) if type(i) is slice else i
+
+    return tuple(one(i) for i in idx) if type(idx) is tuple else one(idx)
+
+
+_NO_DISPATCH = torch._C._DisableTorchDispatch
+
+
+def _getitem(self: Any, idx: Any) -> Any:
+    """``t[idx]`` by basic indexing: the same view of its memory, made on the host tensor
+    (what torch's binding does through the views it dispatches, one wrapper each)."""
+    with _NO_DISPATCH():  # (host tensors only: the simulator's dispatch mode need not see it)
+        view = self._inner[idx]
+    return SimTensor(view, self._sim_device, self._host, self._block)
+
+
+_NUMBERS = (int, float, bool)
+
+
+def _setitem(self: Any, idx: Any, value: Any) -> None:
+    """``t[idx] = value`` by basic indexing, of a number or a simulated tensor: a fill or a
+    copy into that view, queued as torch's binding queues it."""
+    if type(value) in _NUMBERS:
+        _direct_function(_T.fill_, (_getitem(self, idx), value), {})
+    elif type(value) is SimTensor:
+        _torch_function(_T.copy_, (_getitem(self, idx), value), {})
+    else:
+        _torch_function(_T.__setitem__, (self, idx, value), {})
+
+
+_BASIC_INDEXING: dict[Any, Callable[..., Any]] = {_T.__getitem__: _getitem,
+                                                  _T.__setitem__: _setitem}
 
 
 def _learn(key: Any, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
