@@ -119,6 +119,9 @@ def _indexing(device: str) -> list[object]:
         m[1] = 4
         m[:, 3] = x[:3]  # (a device tensor, copied into the view)
         m[torch.tensor([0, 2], device=device)] = -1.0  # (advanced indexing: through torch)
+        i = torch.tensor([3, 1, 1], device=device)
+        out.append([x[i].tolist(), m[torch.tensor([[0], [2]], device=device)].tolist(),
+                    x[i.int()].tolist(), x[x > 4].tolist()])
         n = torch.tensor(3, device=device)
         out.append(x[:n].tolist())  # (a bound read from the device: through torch)
         out.append([x.tolist(), m.tolist()])

@@ -379,6 +379,10 @@ class Scheduler:
             return self.current_device()
         if type(device) is int and 0 <= device < self.device_count:  # (the common case)
             return device
+        if type(device) is torch.device and device.type == "cuda":  # (a tensor's device)
+            i = device.index
+            if i is not None and 0 <= i < self.device_count:
+                return i
         if isinstance(device, SimStream):
             return device.device_index
         idx = getattr(device, "idx", None)  # (a torch.cuda.device / device_of context)

@@ -336,7 +336,11 @@ def _format(self: torch.Tensor, spec: str) -> str:
 def _copy_(self: torch.Tensor, src: Any, non_blocking: bool = False) -> torch.Tensor:
     if not isinstance(src, torch.Tensor):
         raise TypeError(f"copy_(): argument 'src' must be Tensor, not {type(src).__name__}")
-    aten.copy_.default(self, src, non_blocking)
+    if _nothing_between() and _race_entry.learn is None:  # (see _direct_function)
+        _dispatch_now(aten.copy_.default, (self, src, non_blocking), {})
+        _bump_version((self,))
+    else:
+        aten.copy_.default(self, src, non_blocking)
     return self
 
 
@@ -754,6 +758,11 @@ class SimFunctionMode(TorchFunctionMode):
                     idx = _basic_index(args[1])
                     if idx is not _NOT_BASIC:
                         return basic(args[0], idx, *args[2:])
+                    idx = args[1]
+                    if func is _T.__getitem__ and type(idx) is SimTensor and idx.dim() and \
+                            idx.dtype in _INDEX_DTYPES:  # t[indices]: what the binding runs
+                        return _dispatch_direct(aten.index.Tensor, _host_index,
+                                                (args[0], [idx]), {})
                 return _direct_function(func, args, kwargs)
             return _torch_function(func, args, kwargs)
         if sim.sched.races.watch and all(t is torch.Tensor for t in types) and \
@@ -800,16 +809,7 @@ def _direct_function(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     if known is _UNSEEN:
         return _learn(key, func, args, kwargs)
     op, written = known
-    e = _race_entry
-    prev = e.direct
-    e.direct = (op, func)  # (the op's kernel may run as this binding on host tensors)
-    mode = _pop_td(None)  # (as torch does while a dispatch mode's handler runs)
-    try:
-        with _NO_SUBCLASS_TF():
-            out = _torch_dispatch(op, args, kwargs)
-    finally:
-        _push_td(mode)
-        e.direct = prev
+    out = _dispatch_direct(op, func, args, kwargs)
     if written:
         bumped = [w for j, name in written if isinstance(
             w := kwargs[name] if name in kwargs else args[j] if j < len(args) else None,
@@ -820,6 +820,35 @@ def _direct_function(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
 
 
 _UNSEEN = object()
+
+
+def _dispatch_direct(op: Any, host_call: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """:func:`_dispatch_now`, the op's kernel run as ``host_call`` (the torch binding that
+    stands for it) on the host tensors."""
+    e = _race_entry
+    prev = e.direct
+    e.direct = (op, host_call)
+    try:
+        return _dispatch_now(op, args, kwargs)
+    finally:
+        e.direct = prev
+
+
+def _host_index(x: torch.Tensor, indices: list[torch.Tensor]) -> torch.Tensor:
+    """``aten.index.Tensor(x, [i])`` as ``x[i]`` (``i`` of integers): torch's binding."""
+    return x[indices[0]]
+
+
+def _dispatch_now(op: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """What torch's dispatcher does with aten ``op`` on simulated tensors, when nothing is
+    between the simulator's modes: the simulator's handler, its dispatch mode off while it
+    runs (as torch does while a dispatch mode's handler runs)."""
+    mode = _pop_td(None)
+    try:
+        with _NO_SUBCLASS_TF():
+            return _torch_dispatch(op, args, kwargs)
+    finally:
+        _push_td(mode)
 
 
 def _nothing_between() -> bool:
@@ -863,6 +892,9 @@ def _host_bounds(idx: Any) -> Any:
 
 
 _NO_DISPATCH = torch._C._DisableTorchDispatch
+
+
+_INDEX_DTYPES = (torch.int64, torch.int32)
 
 
 def _getitem(self: Any, idx: Any) -> Any:
