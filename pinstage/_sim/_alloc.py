@@ -334,7 +334,7 @@ class Allocator:
         view = typed.as_strided(shape, stride)
         ptr = view.data_ptr()  # (the race tracker's span of it, known here: see _races._span)
         if view.is_contiguous():  # (else _races works out its strided span)
-            setattr(view, _SPAN, (ptr, numel, ptr, ptr + nbytes, held, None))
+            setattr(view, _SPAN, (ptr, numel, ptr, ptr + nbytes, held, None, shape, dtype))
         if len(block.layouts) >= 8:
             block.layouts.clear()
         block.layouts[key] = view

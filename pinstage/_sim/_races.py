@@ -39,7 +39,8 @@ __all__ = ["RaceTracker", "Access", "entry"]
 
 _PLAIN = torch._C.DisableTorchFunction
 _ATTR = "_pinstage_sim_races"  # on a storage: what its tracker knows of it
-_SPAN = "_pinstage_sim_span"  # on a tensor: (address, numel, its bytes lo, hi, storage's _ATTR)
+# on a tensor: (address, numel, its bytes lo, hi, storage's _ATTR, strides or None, shape, dtype)
+_SPAN = "_pinstage_sim_span"
 # id(code object) -> (it, whether its frames are the user's): call_site's rule, cached, as
 # every access asks (walking the stack with string tests would be most of the checker's
 # cost; keyed by id, as hashing a code object hashes its bytecode; holding the code keeps its
@@ -206,22 +207,24 @@ class RaceTracker:
         with _PLAIN():  # (tensor methods here must not go through the simulator's modes)
             self._access(stream, seq, what, reads, writes, where)
 
-    def _span(self, t: torch.Tensor, n: int) -> tuple[int, int, list[Any], Any]:
-        """``_range(t)`` and ``_region(t)`` of ``t`` (``n`` elements), kept on the tensor
+    def _span(self, t: torch.Tensor, n: int) -> tuple[Any, ...]:
+        """What the checks need of ``t`` (``n`` elements): (address, n, ``_range(t)``'s lo and
+        hi, ``_region(t)``, its strides if not contiguous, shape, dtype), kept on the tensor
         object: the simulator's tensors are used again and again (checked by its address and
         size, which a new storage or a resize changes)."""
         ptr = t.data_ptr()
         known = getattr(t, _SPAN, None)
         if known is not None and known[0] == ptr and known[1] == n and known[4][0] is self:
-            return known[2], known[3], known[4], known[5]
+            return known  # type: ignore[no-any-return]
         lo, hi = _range(t)
         held = self._region(t)
         strides = None if t.is_contiguous() else tuple(t.stride())
+        known = (ptr, n, lo, hi, held, strides, tuple(t.shape), t.dtype)
         try:
-            setattr(t, _SPAN, (ptr, n, lo, hi, held, strides))
+            setattr(t, _SPAN, known)
         except (AttributeError, TypeError):  # (a tensor type without attributes)
             pass
-        return lo, hi, held, strides
+        return known
 
     def _access(self, stream: Any, seq: int, what: str, reads: Any, writes: Any,
                 where: tuple[str, int] | None) -> None:
@@ -234,8 +237,8 @@ class RaceTracker:
             n = t.numel()
             if not n:
                 continue
-            lo, hi, held, st = self._span(t, n)
-            a: Access = (what, stream, sid, seq, site, lo, hi, t.shape, t.dtype, held[3], st)
+            _, _, lo, hi, held, st, shape, dtype = self._span(t, n)
+            a: Access = (what, stream, sid, seq, site, lo, hi, shape, dtype, held[3], st)
             for prevs, verb in ((held[2], "reads"), (held[1], "writes")):  # (CSAN's order)
                 for p in prevs:
                     if p[_SID] != sid and p[_LO] < hi and lo < p[_HI] and \
@@ -244,12 +247,13 @@ class RaceTracker:
                             ((st is None and p[_STRIDE] is None) or _overlaps(a, p)):
                         raise _error("write", a, p, verb)
             todo.append((held, a, True))
+        one = writes[0] if len(writes) == 1 else None
         for t in reads:
             n = t.numel()
-            if not n or (writes and any(t is w for w in writes)):
+            if not n or t is one or (writes and one is None and any(t is w for w in writes)):
                 continue  # (read and written: the write's checks cover both)
-            lo, hi, held, st = self._span(t, n)
-            a = (what, stream, sid, seq, site, lo, hi, t.shape, t.dtype, held[3], st)
+            _, _, lo, hi, held, st, shape, dtype = self._span(t, n)
+            a = (what, stream, sid, seq, site, lo, hi, shape, dtype, held[3], st)
             for p in held[1]:
                 if p[_SID] != sid and p[_LO] < hi and lo < p[_HI] and \
                         mine.get(p[_SID], 0) < p[_SEQ] and host.get(p[_SID], 0) < p[_SEQ] and \
