@@ -362,3 +362,20 @@ def test_strided_accesses_race_only_where_their_elements_meet(mode, seed):
             # bytes), then a read of s1's column, unordered
             _side_then_default(lambda a: a[:, 1].fill_(1),
                                lambda a: [a[:, ::2].fill_(2), a.sum()])
+
+
+@pytest.mark.parametrize("mode,seed", SCHEDULES)
+def test_host_accesses_to_pinned_memory_race_only_where_elements_meet(mode, seed):
+    """The host's reads of pinned columns a queued copy does not write are fine; columns it
+    writes race, as two streams' strided accesses do."""
+    with simulated_accelerator(mode, seed=seed):
+        d = torch.arange(8, dtype=torch.float32, device="cuda").reshape(4, 2)
+        h = torch.zeros(4, 4, pin_memory=True)
+        h[:, :2].copy_(d, non_blocking=True)  # (columns 0-1, queued)
+        assert h[:, 2:].tolist() == [[0.0, 0.0]] * 4  # (columns 2-3: the host's alone)
+        h[:, 3].fill_(5.0)
+        with pytest.raises(HazardError, match=r"host race \(read-after-write\)"):
+            h[:, 1:3].tolist()  # (column 1 is the copy's)
+        torch.cuda.synchronize()
+        assert h.tolist() == [[0.0, 1.0, 0.0, 5.0], [2.0, 3.0, 0.0, 5.0],
+                              [4.0, 5.0, 0.0, 5.0], [6.0, 7.0, 0.0, 5.0]]

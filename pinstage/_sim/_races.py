@@ -305,10 +305,15 @@ class RaceTracker:
         if held is None or held[0] is not self or id(held) not in self.watch:
             return
         lo, hi = _range(t)
+        st = None if t.is_contiguous() else tuple(t.stride())
+        # (the host's access as a record, for _overlaps: strided ones share bytes only where
+        # their elements meet, as for two streams)
+        a: Access = (what, None, None, 0, None, lo, hi, tuple(t.shape), t.dtype, 0, st)
         host = self.host
         for prevs, verb in ((held[1], "writes"), (held[2] if write else (), "reads")):
             for p in prevs:
-                if p[_LO] < hi and lo < p[_HI] and host.get(p[_SID], 0) < p[_SEQ]:
+                if p[_LO] < hi and lo < p[_HI] and host.get(p[_SID], 0) < p[_SEQ] and \
+                        ((st is None and p[_STRIDE] is None) or _overlaps(a, p)):
                     raise _host_error(what, t, lo, hi, write, p, verb)
 
 
