@@ -290,7 +290,8 @@ def test_memory_stats_per_pool(mode, seed):
         torch.cuda.reset_accumulated_memory_stats()
         stats = torch.cuda.memory_stats()
         assert stats["num_sync_all_streams"] == 0
-        assert stats["segment.all.allocated"] == 2 and stats["segment.all.freed"] == 0
+        assert stats["segment.all.allocated"] == 0 == stats["segment.all.freed"]
+        assert stats["segment.all.current"] == 2  # (PyTorch's reset keeps current and peak)
         del small, half
 
 
@@ -349,6 +350,8 @@ def test_host_memory_stats_count_pinned_blocks(mode, seed):
         torch.cuda.reset_accumulated_host_memory_stats()
         stats = torch.cuda.host_memory_stats()
         assert stats["allocated_bytes.peak"] == 4096 and stats["allocations.freed"] == 0
+        assert stats["allocated_bytes.allocated"] == 0  # (PyTorch's reset: totals from 0)
+        assert stats["allocated_bytes.current"] == 4096
         assert stats["num_host_alloc"] == stats["num_host_free"] == 0
         del t2
     if not torch.cuda.is_available():  # (a CPU build's answer again, the simulator closed)

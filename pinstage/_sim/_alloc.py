@@ -429,11 +429,11 @@ class Allocator:
         return self.st["allocation.all"][0]
 
     def reset_accumulated(self) -> None:
-        """``reset_accumulated_memory_stats``: the running totals start again, from what is
-        held now (allocated - freed stays the current figure)."""
+        """``reset_accumulated_memory_stats``: the running totals (allocated, freed) start
+        again from 0, as PyTorch's reset_accumulated_stat does (current and peak stay)."""
         self._collect()
         for stat in self.st.values():
-            stat[2], stat[3] = stat[0], 0
+            stat[2], stat[3] = 0, 0
         for key in self.counts:
             self.counts[key] = 0
 

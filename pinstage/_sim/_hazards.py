@@ -123,9 +123,9 @@ class HostStats:
         return out
 
     def reset_accumulated(self) -> None:
-        with self._lock:  # (allocated - freed stays the current figure, as the device's)
+        with self._lock:  # (the running totals start again from 0, as PyTorch's)
             for stat in self.st.values():
-                stat[2], stat[3] = stat[0], 0
+                stat[2], stat[3] = 0, 0
             for key in self.times:
                 self.times[key] = [0, 0, 0, 0]
 
