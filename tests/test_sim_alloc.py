@@ -57,18 +57,15 @@ def test_reuse_on_the_same_stream_keeps_values_right(mode, seed):
 
 @pytest.mark.parametrize("mode,seed", SCHEDULES)
 def test_reused_memory_has_its_new_owners_layout(mode, seed):
-    """A block hands out the tensor it last was for the same layout again, unless a kernel
-    changed that tensor's metadata in place (resize_): then a fresh one of the layout."""
+    """A block hands out the tensor it last was for the same layout again, unless its
+    metadata was changed in place (unsqueeze_, t_): then a fresh one of the layout."""
     with simulated_accelerator(mode, seed=seed):
         for _ in range(3):
             x = torch.zeros(6, device="cuda")
-            x.resize_(3)
-            w = torch.zeros(6, device="cuda")
-            w.resize_(2, 3)
+            x.unsqueeze_(0)  # (another size)
             m = torch.zeros(3, 3, device="cuda")
             m.t_()  # (the same size, other strides)
-            torch.cuda.synchronize()  # (these have run on the old owners' memory)
-            del x, w, m
+            del x, m
             y = torch.ones(6, device="cuda")
             assert y.tolist() == [1.0] * 6
             a = torch.empty(3, 3, device="cuda")

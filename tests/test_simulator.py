@@ -846,3 +846,37 @@ def test_a_race_names_the_users_line_of_both_accesses():
                 x.mul_(2)  # not ordered after the add_ on the default stream
     text = str(err.value)
     assert f"{__file__}:{first}" in text and f"{__file__}:{second}" in text
+
+
+def _in_place_views(device: str) -> list[object]:
+    x = torch.arange(6.0, device=device).reshape(2, 3)
+    out: list[object] = []
+    for op in (lambda t: t.t_(), lambda t: t.unsqueeze_(0), lambda t: t.squeeze_(0),
+               lambda t: t.transpose_(0, 1), lambda t: t.swapdims_(0, 1)):
+        assert op(x) is x
+        out.append((tuple(x.shape), x.stride(), x.tolist(), (x * 2).tolist(),
+                    x.contiguous().view(-1).tolist()))
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_in_place_view_ops_change_the_tensors_own_metadata(mode):
+    """t_, unsqueeze_, squeeze_, transpose_, swapdims_ change the simulated tensor's shape
+    and strides, at once (as views are made), as on a CPU tensor."""
+    expected = _in_place_views("cpu")
+    with simulated_accelerator(mode):
+        assert _in_place_views("cuda") == expected
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_resizing_a_device_tensor_to_another_shape_is_refused(mode):
+    """resize_ to its own shape is nothing; to another the simulator refuses (the tensor's
+    size would stay wrong), naming what to do instead."""
+    with simulated_accelerator(mode):
+        x = torch.zeros(2, 3, device="cuda")
+        assert x.resize_(2, 3) is x and x.resize_as_(torch.empty(2, 3)) is x
+        for bad in (lambda: x.resize_(6), lambda: x.resize_as_(torch.empty(3)),
+                    lambda: x.set_(torch.zeros(4, device="cuda"))):
+            with pytest.raises(NotImplementedError, match="allocate a tensor of the new size"):
+                bad()
+        assert x.shape == (2, 3) and x.tolist() == [[0.0] * 3] * 2

@@ -641,6 +641,49 @@ def _to_copy(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any
     return _deferred(sim, func, args, kw)
 
 
+def _inplace_view(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """``t.t_()``, ``t.unsqueeze_(0)``, ``t.transpose_(0, 1)``...: metadata only, so done at
+    once, as views are: on the host tensor and on the simulated tensor's own metadata (as
+    PyTorch's return_and_correct_aliasing does for wrapper subclasses)."""
+    self = args[0]
+    flat, spec = _flatten(args, kwargs)
+    devices_of(flat, allow_cpu=True)
+    a, k = _unflatten([x._inner if isinstance(x, _DEV) else x for x in flat], spec)
+    func(*a, **k)
+    with torch.utils._mode_utils.no_dispatch():
+        func(*args, **kwargs)
+    self.__dict__.pop("_proxy", None)  # (its cpu view, of the old metadata)
+    self._lk = None
+    self._inner.__dict__.pop(_SPAN, None)  # (the race tracker's span, of the old strides)
+    return self
+
+
+def _resize(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """``resize_``/``resize_as_``/``set_`` to the shape a simulated tensor has is nothing to
+    do; to another, the simulator refuses (it cannot change a device tensor's size in place:
+    allocate one of the new size instead) rather than leave the tensor's size wrong."""
+    self = args[0]
+    if func.overloadpacket is aten.resize_:
+        size = tuple(args[1] if len(args) > 1 else kwargs["size"])
+    elif func.overloadpacket is aten.resize_as_ and len(args) > 1 and \
+            isinstance(args[1], torch.Tensor):
+        size = tuple(args[1].shape)
+    else:
+        size = None
+    if size is not None and size == tuple(self.shape):
+        return self
+    raise NotImplementedError(
+        f"{func.overloadpacket.__name__} of a simulated CUDA tensor ({self._sim_device}, shape "
+        f"{tuple(self.shape)}) to another shape or storage is not simulated: allocate a tensor "
+        "of the new size (torch.empty(size, device=...)) and copy into it")
+
+
+_SPAN = "_pinstage_sim_span"  # (the race tracker's attribute of a tensor's span)
+
+
+register_op(aten.t_, aten.transpose_, aten.unsqueeze_, aten.squeeze_, aten.swapdims_,
+            aten.swapaxes_)(_inplace_view)
+register_op(aten.resize_, aten.resize_as_, aten.set_)(_resize)
 register_op(aten.copy_)(_copy)
 register_op(aten._to_copy)(_to_copy)
 register_op(aten._local_scalar_dense)(_local_scalar)
