@@ -163,3 +163,17 @@ def test_an_assignment_through_basic_indexing_on_a_side_stream_is_checked_for_ra
         with torch.cuda.stream(side), pytest.raises(HazardError, match="fill_"):
             x[0:4] = 1.0  # written on the side stream, not ordered after the read
         del y
+
+
+def test_a_users_dispatch_mode_does_not_see_the_simulators_kernels_run():
+    """The simulator runs a queued op's kernel on host tensors when the host waits (lazy
+    mode's synchronize): those are not the user's torch calls, and a user's dispatch mode
+    open then does not see them (on a GPU it would not either)."""
+    with simulated_accelerator("lazy"):
+        x = torch.zeros(4, device="cuda")
+        for _ in range(CALLS):
+            x.add_(1)
+        with _CountingDispatch() as counting:
+            torch.cuda.synchronize()
+        assert counting.seen == []
+        assert x.tolist() == [float(CALLS)] * 4

@@ -394,7 +394,8 @@ def _deferred(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> An
                     inner.copy_(leaves[i])
 
     sim.sched.enqueue(sim.sched.current_stream(index),
-                      Op(label, run, reads, host_writes=host_writes, acc=(name, dev_reads, writes)))
+                      Op(label, run, reads, host_writes=host_writes, acc=(name, dev_reads, writes),
+                         plain=True))
     return result
 
 
@@ -535,7 +536,8 @@ def _copy(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
             sim.sched.races.join(stream, sim.sched.races.snapshot(deps[0][0]))
         sim.sched.enqueue(stream, Op("device-to-device copy", lambda _: d_in.copy_(s_in), reads,
                                      deps=deps, host_writes=writes,
-                                     acc=("device-to-device copy", (s_in,), (d_in,))),
+                                     acc=("device-to-device copy", (s_in,), (d_in,)),
+                                     plain=True),
                           "d2d_copies")
         if deps:  # PyTorch orders a peer copy on both devices' current streams
             other = deps[0][0]
@@ -560,7 +562,7 @@ def _h2d(sim: SimState, dst: Any, src: torch.Tensor, nb: bool) -> Any:
     if src.dim() == 0:  # a scalar passed by value (x[i] = 5): a fill kernel
         value = src.clone()
         sim.sched.enqueue(stream, Op("fill", lambda _: d_in.copy_(value), host_writes=writes,
-                                     acc=("fill", (), (d_in,))))
+                                     acc=("fill", (), (d_in,)), plain=True))
         return dst
     pinned = sim.is_pinned(src) and src.is_contiguous()
     if nb and pinned:  # async: the device reads the pinned source when the copy runs
@@ -568,7 +570,8 @@ def _h2d(sim: SimState, dst: Any, src: torch.Tensor, nb: bool) -> Any:
         read = HostRead.of(sim.pinned, src, "pinned host source")
         sim.sched.enqueue(stream, Op(label, lambda rs: d_in.copy_(rs[0]), [read],
                                      host_writes=writes,
-                                     acc=("host-to-device copy", (src,), (d_in,))), "copies")
+                                     acc=("host-to-device copy", (src,), (d_in,)),
+                                     plain=True), "copies")
         return dst
     if stream.capture is not None:
         raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture "
@@ -607,7 +610,7 @@ def _d2h(sim: SimState, dst: torch.Tensor, src: Any, nb: bool) -> Any:
         label = call_site().describe("device-to-host copy")
         sim.sched.enqueue(stream, Op(label, lambda rs: rs[0].copy_(s_in), [read],
                                      host_writes=[span(dst)],
-                                     acc=("device-to-host copy", (s_in,), (dst,))),
+                                     acc=("device-to-host copy", (s_in,), (dst,)), plain=True),
                           "d2h_copies")
         return dst
     if stream.capture is not None:  # (CUDA's check, before any driver call: no invalidation)

@@ -395,7 +395,7 @@ def random_factory(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any],
         inner.copy_(func(*args, **kw, generator=private))
 
     sim.sched.enqueue(stream, Op(f"{func.__name__} (random factory kernel)", run,
-                                 acc=(func.__name__, (), (inner,))))
+                                 acc=(func.__name__, (), (inner,)), plain=True))
     if graph is not None:
         _note_captured(graph, before, private, gen)
     return out

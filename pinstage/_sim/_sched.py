@@ -71,17 +71,28 @@ OP_MS = 1e-3
 CYCLES_PER_MS = 1_000_000  # a 1 GHz clock
 
 
+_NO_DISPATCH = torch._C._DisableTorchDispatch  # (no __torch_dispatch__: subclass or mode)
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+
+
 class Op:
     """One queued device operation."""
 
-    __slots__ = ("acc", "deps", "fn", "host_writes", "label", "ms", "reads", "seq", "stream")
+    __slots__ = ("acc", "deps", "fn", "host_writes", "label", "ms", "plain", "reads", "seq",
+                 "stream")
 
     def __init__(self, label: str, fn: Callable[[list[torch.Tensor]], Any] | None,
                  reads: list[HostRead] | None = None,
                  deps: list[tuple[SimStream, int]] | None = None,
                  host_writes: list[tuple[int, int]] | None = None,
-                 acc: tuple[str, Any, Any] | None = None, ms: float = OP_MS) -> None:
+                 acc: tuple[str, Any, Any] | None = None, ms: float = OP_MS,
+                 plain: bool = False) -> None:
         self.ms = ms  # simulated time it takes on the device (events' elapsed_time)
+        # plain: ``fn`` runs torch ops on host tensors only (the simulator's own kernels, not
+        # a sim.launch body over device tensors): it runs with torch's Python dispatch off,
+        # which the simulator's dispatch mode would otherwise see each of (~5 us apiece) when
+        # the op runs outside an op's handler (lazy mode's synchronize, a host wait)
+        self.plain = plain
         # acc: (what, tensors read, tensors written) in simulated memory, for the race check
         self.acc = acc
         self.label = label
@@ -635,7 +646,11 @@ class Scheduler:
         if op.fn is not None:
             tensors = [r.check(op.label) for r in op.reads]
             with torch._C.DisableTorchFunction():
-                op.fn(tensors)
+                if op.plain and _dispatch_modes():
+                    with _NO_DISPATCH():
+                        op.fn(tensors)
+                else:
+                    op.fn(tensors)
 
     def _run_op(self, op: Op) -> None:
         """Execute one op now (its dependencies are done): check its host reads, run it."""
@@ -648,7 +663,11 @@ class Scheduler:
             _tls.running = True
             try:
                 with torch._C.DisableTorchFunction():
-                    op.fn(tensors)
+                    if op.plain and _dispatch_modes():
+                        with _NO_DISPATCH():
+                            op.fn(tensors)
+                    else:
+                        op.fn(tensors)
             finally:
                 _tls.running = False
         if op.host_writes:  # later reads of what this wrote can't be checked by content

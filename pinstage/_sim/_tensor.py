@@ -705,7 +705,7 @@ def _device_result(sim: SimState, values: torch.Tensor, index: int, empty: bool,
         return SimTensor(inner, torch.device("cuda", index), None, block)
     sim.sched.enqueue(sim.sched.current_stream(index), Op(
         "fill (factory kernel)", lambda _: inner.copy_(values),
-        acc=("fill (factory kernel)", (), (inner,))))
+        acc=("fill (factory kernel)", (), (inner,)), plain=True))
     return SimTensor(inner, torch.device("cuda", index), None, block)
 
 

@@ -233,7 +233,7 @@ class SimGraph:
                 reads = [r.again(op.label) for r in op.reads]
                 fn = replay_fn(self, op, bases)
                 sched.enqueue(stream, Op(f"{op.label} (graph replay)", fn, reads,
-                                         host_writes=op.host_writes, ms=op.ms,
+                                         host_writes=op.host_writes, ms=op.ms, plain=op.plain,
                                          acc=op.acc and (f"{op.acc[0]} (graph replay)",
                                                          *op.acc[1:])), None)
 
