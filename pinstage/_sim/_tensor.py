@@ -93,15 +93,21 @@ def _active() -> SimState:
 
 
 _CPU = torch.device("cpu")
+_STRIDED = torch.strided
+_make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
 def _wrapper(cls: Any, inner: torch.Tensor, device: torch.device, host: Any,
              reported: torch.device, block: Any = None) -> torch.Tensor:
     """A tensor of type ``cls`` with ``inner``'s layout, reporting ``reported`` as its device,
     whose data is ``inner`` on simulated ``device``."""
-    r = torch.Tensor._make_wrapper_subclass(
-        cls, inner.size(), strides=inner.stride(), storage_offset=inner.storage_offset(),
-        dtype=inner.dtype, device=reported, layout=inner.layout, requires_grad=False)
+    offset, layout = inner.storage_offset(), inner.layout
+    if offset == 0 and layout is _STRIDED:  # (each keyword costs torch's argument parser)
+        r = _make_wrapper(cls, inner.size(), strides=inner.stride(), dtype=inner.dtype,
+                          device=reported)
+    else:
+        r = _make_wrapper(cls, inner.size(), strides=inner.stride(), storage_offset=offset,
+                          dtype=inner.dtype, device=reported, layout=layout)
     r._inner = inner
     r._host = host
     r._sim_device = device
