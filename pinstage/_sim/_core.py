@@ -55,10 +55,11 @@ class SimState:
         self.allocators = [Allocator(i, limit) for i in range(device_count)]
 
     def device_empty(self, shape: Any, stride: Any, dtype: torch.dtype, index: int,
-                     poison: bool = True) -> tuple[torch.Tensor, Handle | None]:
+                     poison: bool = True, stream: Any = None) -> tuple[torch.Tensor, Handle | None]:
         """Device memory from the caching allocator of device ``index``, allocated on its
-        current stream; a new block is poisoned (outside eager mode) as fresh GPU memory is
-        garbage, a reused one keeps its last owner's bytes (queued work may read them)."""
+        current stream (``stream``, when the caller has it); a new block is poisoned (outside
+        eager mode) as fresh GPU memory is garbage, a reused one keeps its last owner's bytes
+        (queued work may read them)."""
         shape = tuple(shape)
         if stride is None:  # contiguous
             stride, step = [], 1
@@ -66,7 +67,8 @@ class SimState:
                 stride.append(step)
                 step *= max(d, 1)
             stride.reverse()
-        stream = self.sched.current_stream(index)
+        if stream is None:
+            stream = self.sched.current_stream(index)
         # (the lock: factories allocate from the function mode, outside any op's lock, and
         # threads share the allocator's pools)
         with self.sched.lock, torch._C.DisableTorchFunction():

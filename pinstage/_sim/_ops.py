@@ -317,8 +317,10 @@ def _deferred(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> An
     fresh: list[tuple[int, torch.Tensor]] = []
     index = device.index or 0
 
+    stream = sim.sched.current_stream(index)
+
     def make(i: int, m: torch.Tensor) -> torch.Tensor:
-        inner, block = sim.device_empty(m.shape, m.stride(), m.dtype, index)
+        inner, block = sim.device_empty(m.shape, m.stride(), m.dtype, index, stream=stream)
         fresh.append((i, inner))
         return wrap(inner, device, None, proxy, block)
 
@@ -393,7 +395,7 @@ def _deferred(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> An
                 for i, inner in fresh:
                     inner.copy_(leaves[i])
 
-    sim.sched.enqueue(sim.sched.current_stream(index),
+    sim.sched.enqueue(stream,
                       Op(label, run, reads, host_writes=host_writes, acc=(name, dev_reads, writes),
                          plain=True))
     return result
