@@ -177,3 +177,92 @@ def test_a_users_dispatch_mode_does_not_see_the_simulators_kernels_run():
             torch.cuda.synchronize()
         assert counting.seen == []
         assert x.tolist() == [float(CALLS)] * 4
+
+
+def _decompositions(device: str) -> list[object]:
+    """Bindings that torch decomposes into another aten op chosen by their arguments'
+    values or shapes (narrow -> slice, matmul -> mm/mv/dot, diag, conj): each call must be
+    taken anew, never as the op the first call dispatched."""
+    x = torch.arange(6.0, device=device)
+    a, b, v = (torch.ones(2, 3, device=device), torch.ones(3, 2, device=device),
+               torch.ones(3, device=device))
+    c = torch.ones(2, dtype=torch.complex64, device=device)
+    out: list[object] = []
+    for _ in range(2):
+        out.append([x.narrow(0, s, 2).tolist() for s in (0, 1, 3)])
+        out.append([(a @ b).tolist(), (v @ b).tolist(), (a @ v).tolist(), (v @ v).item()])
+        out.append([torch.matmul(v, v).item(), torch.matmul(a, b).tolist()])
+        out.append([v.diag().shape, torch.ones(3, 3, device=device).diag().tolist()])
+        out.append([c.conj().resolve_conj().tolist(), x.conj().tolist()])
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_decomposed_bindings_are_never_taken_for_the_op_they_first_dispatched(mode):
+    expected = _decompositions("cpu")
+    with simulated_accelerator(mode):
+        assert _decompositions("cuda") == expected
+
+
+def _assignments(device: str) -> list[object]:
+    out: list[object] = []
+    for dtype, value in ((torch.float16, 1e40), (torch.int64, 1.5), (torch.uint8, 300),
+                         (torch.float32, True), (torch.bfloat16, -1e39), (torch.uint8, -1),
+                         (torch.int64, 2**70)):
+        x = torch.zeros(4, dtype=dtype, device=device)
+        try:  # (as torch's binding: a tensor of x's dtype, no overflow check for floats)
+            x[1:3] = value
+            out.append(x.cpu().tolist())
+        except (RuntimeError, ValueError) as exc:
+            out.append((type(exc).__name__, x.cpu().tolist()))
+    host = torch.zeros(4)
+    host[1:3] = torch.ones(2, device=device)  # (a host tensor's slice, from the device)
+    out.append(host.tolist())
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_assignments_through_basic_indexing_convert_values_as_torch_does(mode):
+    expected = _assignments("cpu")
+    with simulated_accelerator(mode):
+        assert _assignments("cuda") == expected
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_in_place_view_ops_leave_queued_kernels_their_shapes(mode):
+    """A kernel queued before x.t_() (lazy mode: not run yet) still sees x as it was."""
+    def program(device: str) -> list[object]:
+        x = torch.arange(6.0, device=device).view(2, 3)
+        x.add_(torch.tensor([10.0, 20.0, 30.0], device=device))  # (a row, broadcast)
+        x.t_()
+        y = torch.empty(2, 3, device=device)
+        y.copy_(torch.arange(6.0, device=device).view(2, 3))
+        y.unsqueeze_(0)
+        return [x.cpu().tolist(), y.cpu().tolist()]
+
+    expected = program("cpu")
+    with simulated_accelerator(mode):
+        assert program("cuda") == expected
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_inference_mode_is_kept_by_learned_and_reused_calls(mode):
+    """Learned calls and reused memory keep torch's inference-mode rules: an inference
+    tensor updated in place outside the mode is torch's error, memory an inference-mode
+    tensor had is an ordinary tensor's next."""
+    with simulated_accelerator(mode):
+        x = torch.ones(3, device="cuda")
+        for _ in range(CALLS):
+            x.add_(1)
+            x.mul(2)
+        with torch.inference_mode():
+            y = torch.ones(3, device="cuda")
+            z = x.mul(2)
+            assert z.is_inference()
+        with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+            y.add_(1)
+        assert not x.mul(2).is_inference()
+        del y, z
+        b = torch.zeros(3, device="cuda")  # (memory an inference tensor had)
+        b.add_(1)
+        assert (b * 2).tolist() == [2.0] * 3 and not b.is_inference()

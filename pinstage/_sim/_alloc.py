@@ -328,10 +328,12 @@ class Allocator:
         if view is not None and view.data_ptr() == block.ptr and view.size() == shape and \
                 view.stride() == stride:
             return view, Handle(self, block), new
-        typed = block.views.get(dtype)
-        if typed is None:  # (a block's size is a multiple of every dtype's size)
-            typed = block.views[dtype] = block.buf.view(dtype)
-        view = typed.as_strided(shape, stride)
+        # (not an inference tensor: the block is handed out again after inference mode ends)
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False):
+                view = _view_of(block, shape, stride, dtype)
+        else:
+            view = _view_of(block, shape, stride, dtype)
         ptr = view.data_ptr()  # (the race tracker's span of it, known here: see _races._span)
         if view.is_contiguous():  # (else _races works out its strided span)
             setattr(view, _SPAN, (ptr, numel, ptr, ptr + nbytes, held, None, shape, dtype))
@@ -519,6 +521,14 @@ def _down(stats: tuple[list[int], ...], n: int) -> None:
     for stat in stats:
         stat[0] -= n
         stat[3] += n
+
+
+def _view_of(block: _Block, shape: tuple[int, ...], stride: tuple[int, ...],
+             dtype: torch.dtype) -> torch.Tensor:
+    typed = block.views.get(dtype)
+    if typed is None:  # (a block's size is a multiple of every dtype's size)
+        typed = block.views[dtype] = block.buf.view(dtype)
+    return typed.as_strided(shape, stride)
 
 
 # (shape, stride, dtype) -> (bytes it spans, the block size it takes, elements)

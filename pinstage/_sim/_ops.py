@@ -653,13 +653,19 @@ def _inplace_view(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -
     self = args[0]
     flat, spec = _flatten(args, kwargs)
     devices_of(flat, allow_cpu=True)
-    a, k = _unflatten([x._inner if isinstance(x, _DEV) else x for x in flat], spec)
-    func(*a, **k)
+    # a fresh alias of the host memory takes the new metadata: kernels queued before (lazy
+    # mode, a stream not yet run) keep the tensor object they were given, with its old shape,
+    # as a launched kernel's arguments do on a GPU (and so does a block's next owner)
+    inner = self._inner
     with torch.utils._mode_utils.no_dispatch():
-        func(*args, **kwargs)
+        alias = inner.as_strided(inner.size(), inner.stride(), inner.storage_offset())
+        a, k = _unflatten([alias if x is self else x._inner if isinstance(x, _DEV) else x
+                           for x in flat], spec)
+        func(*a, **k)
+        func(*args, **kwargs)  # (the simulated tensor's own metadata)
+    self._inner = alias
     self.__dict__.pop("_proxy", None)  # (its cpu view, of the old metadata)
     self._lk = None
-    self._inner.__dict__.pop(_SPAN, None)  # (the race tracker's span, of the old strides)
     return self
 
 
@@ -682,8 +688,6 @@ def _resize(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         f"{tuple(self.shape)}) to another shape or storage is not simulated: allocate a tensor "
         "of the new size (torch.empty(size, device=...)) and copy into it")
 
-
-_SPAN = "_pinstage_sim_span"  # (the race tracker's attribute of a tensor's span)
 
 
 register_op(aten.t_, aten.transpose_, aten.unsqueeze_, aten.squeeze_, aten.swapdims_,

@@ -760,7 +760,8 @@ class SimFunctionMode(TorchFunctionMode):
             # round trips)
             if type(func) in _BINDINGS and func not in _TF:
                 basic = _BASIC_INDEXING.get(func)
-                if basic is not None and not kwargs and len(args) >= 2 and _nothing_between():
+                if basic is not None and not kwargs and len(args) >= 2 and \
+                        type(args[0]) is SimTensor and _nothing_between():
                     idx = _basic_index(args[1])
                     if idx is not _NOT_BASIC:
                         return basic(args[0], idx, *args[2:])
@@ -795,6 +796,7 @@ _push_td = torch._C._push_on_torch_dispatch_stack
 _autocast = torch._C._is_any_autocast_enabled
 _functorch = torch._C._are_functorch_transforms_active
 _bump_version = torch._C._increment_version
+_inference = torch.is_inference_mode_enabled
 _NO_SUBCLASS_TF = torch._C.DisableTorchFunctionSubclass
 
 
@@ -815,14 +817,18 @@ def _direct_function(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     if known is _UNSEEN:
         return _learn(key, func, args, kwargs)
     op, written = known
-    out = _dispatch_direct(op, func, args, kwargs)
     if written:
         bumped = [w for j, name in written if isinstance(
             w := kwargs[name] if name in kwargs else args[j] if j < len(args) else None,
             torch.Tensor)]
+        for w in bumped:
+            if w.is_inference():  # (outside inference mode: torch's error, through torch)
+                return _torch_function(func, args, kwargs)
+        out = _dispatch_direct(op, func, args, kwargs)
         if bumped:
             _bump_version(bumped)
-    return out
+        return out
+    return _dispatch_direct(op, func, args, kwargs)
 
 
 _UNSEEN = object()
@@ -859,8 +865,10 @@ def _dispatch_now(op: Any, args: Any, kwargs: dict[str, Any]) -> Any:
 
 def _nothing_between() -> bool:
     """Whether torch would go from the simulator's function mode straight to its dispatch
-    mode: no other function or dispatch mode, no autocast, no functorch transform."""
-    return not _len_tf() and _len_td() == 1 and not _autocast() and not _functorch()
+    mode: no other function or dispatch mode, no autocast, no functorch transform, no
+    inference mode (its tensors keep no version counter)."""
+    return not _len_tf() and _len_td() == 1 and not _autocast() and not _functorch() and \
+        not _inference()
 
 
 # basic indexing: ints, slices of ints, None and Ellipsis (a view, no device value read)
@@ -918,7 +926,16 @@ def _setitem(self: Any, idx: Any, value: Any) -> None:
     """``t[idx] = value`` by basic indexing, of a number or a simulated tensor: a fill or a
     copy into that view, queued as torch's binding queues it."""
     if type(value) in _NUMBERS:
-        _direct_function(_T.fill_, (_getitem(self, idx), value), {})
+        # (torch's binding makes the number a CPU tensor of the target's dtype, as its
+        # valueToTensor does, with no overflow check for floats, unlike fill_ of a number's;
+        # then at::indexing::copy_to: fill_ from it, copy_ into a 0-dim view)
+        with _NO_DISPATCH(), torch._C.DisableTorchFunction():
+            v = torch.tensor(value, dtype=self.dtype)
+        view = _getitem(self, idx)
+        if view.dim():
+            _direct_function(_T.fill_, (view, v), {})
+        else:
+            _torch_function(_T.copy_, (view, v), {})
     elif type(value) is SimTensor:
         _torch_function(_T.copy_, (_getitem(self, idx), value), {})
     else:
@@ -947,7 +964,11 @@ def _learn(key: Any, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
                 all(k[n] is kwargs[n] for n in k) and "device" not in k and (
                     out is res or (type(out) is type(res) and type(out) in (tuple, list) and
                                    len(out) == len(res) and
-                                   all(x is y for x, y in zip(out, res)))):
+                                   all(x is y for x, y in zip(out, res)))) and \
+                op.overloadpacket.__name__ == getattr(func, "__name__", None):
+            # (the binding's own op: another one was a decomposition, narrow -> slice, matmul
+            # -> mm or dot, chosen by the arguments' values, shapes or dtypes, which the
+            # learned key does not hold)
             direct = (op, schema_writes(op))
     if len(_DIRECT) > 4096:
         _DIRECT.clear()
