@@ -208,7 +208,9 @@ def _assignments(device: str) -> list[object]:
     out: list[object] = []
     for dtype, value in ((torch.float16, 1e40), (torch.int64, 1.5), (torch.uint8, 300),
                          (torch.float32, True), (torch.bfloat16, -1e39), (torch.uint8, -1),
-                         (torch.int64, 2**70)):
+                         (torch.int64, 2**70), (torch.float32, 4), (torch.int8, 200),
+                         (torch.int32, -7), (torch.float16, 65504.0), (torch.float16, 7e4),
+                         (torch.float64, 2.5), (torch.bool, 3)):
         x = torch.zeros(4, dtype=dtype, device=device)
         try:  # (as torch's binding: a tensor of x's dtype, no overflow check for floats)
             x[1:3] = value

@@ -926,12 +926,15 @@ def _setitem(self: Any, idx: Any, value: Any) -> None:
     """``t[idx] = value`` by basic indexing, of a number or a simulated tensor: a fill or a
     copy into that view, queued as torch's binding queues it."""
     if type(value) in _NUMBERS:
+        view = _getitem(self, idx)
+        if _in_range(value, self.dtype):  # (then fill_ of the number is the same, cheaper)
+            _direct_function(_T.fill_, (view, value), {})
+            return
         # (torch's binding makes the number a CPU tensor of the target's dtype, as its
-        # valueToTensor does, with no overflow check for floats, unlike fill_ of a number's;
+        # valueToTensor does, with no overflow check for floats, unlike fill_ of a number;
         # then at::indexing::copy_to: fill_ from it, copy_ into a 0-dim view)
         with _NO_DISPATCH(), torch._C.DisableTorchFunction():
             v = torch.tensor(value, dtype=self.dtype)
-        view = _getitem(self, idx)
         if view.dim():
             _direct_function(_T.fill_, (view, v), {})
         else:
@@ -940,6 +943,28 @@ def _setitem(self: Any, idx: Any, value: Any) -> None:
         _torch_function(_T.copy_, (_getitem(self, idx), value), {})
     else:
         _torch_function(_T.__setitem__, (self, idx, value), {})
+
+
+# dtype -> (lowest, highest, the Python number types) for which fill_ of a number does what
+# torch's indexing assignment does (ints or floats into a floating dtype, ints into an
+# integer one, in its range; anything else goes the binding's way)
+_RANGES: dict[torch.dtype, tuple[Any, Any, tuple[type, ...]]] = {}
+
+
+def _in_range(value: Any, dtype: torch.dtype) -> bool:
+    known = _RANGES.get(dtype)
+    if known is None:
+        if dtype.is_floating_point:
+            info = torch.finfo(dtype)
+            known = (float(info.min), float(info.max), (int, float))
+        elif not dtype.is_complex and dtype is not torch.bool:
+            iinfo = torch.iinfo(dtype)
+            known = (iinfo.min, iinfo.max, (int,))
+        else:
+            known = (0, 0, ())
+        _RANGES[dtype] = known
+    lo, hi, kinds = known
+    return type(value) is bool or (type(value) in kinds and lo <= value <= hi)
 
 
 _BASIC_INDEXING: dict[Any, Callable[..., Any]] = {_T.__getitem__: _getitem,
