@@ -880,3 +880,10 @@ def test_resizing_a_device_tensor_to_another_shape_is_refused(mode):
             with pytest.raises(NotImplementedError, match="allocate a tensor of the new size"):
                 bad()
         assert x.shape == (2, 3) and x.tolist() == [[0.0] * 3] * 2
+        a = torch.ones(2, 3, device="cuda")
+        out = torch.empty(0, device="cuda")
+        with pytest.raises(NotImplementedError, match="out= tensor of the result's shape"):
+            torch.add(a, a, out=out)  # (torch would resize out)
+        assert out.shape == (0,)
+        right = torch.empty(2, 3, device="cuda")
+        assert torch.add(a, a, out=right) is right and right.tolist() == [[2.0] * 3] * 2

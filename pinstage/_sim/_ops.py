@@ -329,6 +329,13 @@ def _deferred(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> An
             else None
         if result is None:
             result = make(0, meta_out)
+        elif isinstance(result, _DEV) and result.shape != meta_out.shape:
+            # (an out= tensor of another shape: torch resizes it, which a simulated tensor
+            # cannot be; its size would stay wrong)
+            raise NotImplementedError(
+                f"{plan.name} into a simulated CUDA tensor of shape {tuple(result.shape)} for "
+                f"a result of shape {tuple(meta_out.shape)}: changing a device tensor's size "
+                "in place is not simulated; pass an out= tensor of the result's shape")
     else:
         result = _assemble(func, args, kwargs, meta_out, make)
     name = plan.name
