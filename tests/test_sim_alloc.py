@@ -57,15 +57,17 @@ def test_reuse_on_the_same_stream_keeps_values_right(mode, seed):
 
 @pytest.mark.parametrize("mode,seed", SCHEDULES)
 def test_reused_memory_has_its_new_owners_layout(mode, seed):
-    """A block hands out the tensor it last was for the same layout again, unless its
-    metadata was changed in place (unsqueeze_, t_): then a fresh one of the layout."""
+    """A block hands out the tensor it last was for the same layout again: in-place view ops
+    of its last owner (unsqueeze_, t_, as_strided_) left that tensor as it was."""
     with simulated_accelerator(mode, seed=seed):
         for _ in range(3):
             x = torch.zeros(6, device="cuda")
             x.unsqueeze_(0)  # (another size)
             m = torch.zeros(3, 3, device="cuda")
             m.t_()  # (the same size, other strides)
-            del x, m
+            s = torch.zeros(3, 3, device="cuda")
+            s.as_strided_((3, 3), (1, 3))
+            del x, m, s
             y = torch.ones(6, device="cuda")
             assert y.tolist() == [1.0] * 6
             a = torch.empty(3, 3, device="cuda")

@@ -6,6 +6,8 @@ would have seen."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -16,6 +18,14 @@ from pinstage.testing import MODES, simulated_accelerator
 pytestmark = pytest.mark.timeout(300)
 
 CALLS = 3  # the first call of a kind goes through torch (and is learned), the rest direct
+
+
+def _as_on_cpu(program: Callable[[str], object], mode: str) -> None:
+    """``program(device)`` gives in the simulator (``mode``) what it gives on CPU tensors."""
+    expected = program("cpu")
+    with simulated_accelerator(mode):
+        got = program("cuda")
+    assert got == expected
 
 
 def _program(device: str) -> list[object]:
@@ -48,10 +58,7 @@ def _program(device: str) -> list[object]:
 def test_repeated_ops_give_what_cpu_gives(mode):
     """Learned and direct calls give the CPU's values, result types (``max`` a named tuple)
     and version counters (each in-place op bumps its tensor's once)."""
-    expected = _program("cpu")
-    with simulated_accelerator(mode):
-        got = _program("cuda")
-    assert got == expected
+    _as_on_cpu(_program, mode)
 
 
 class _CountingDispatch(TorchDispatchMode):
@@ -133,10 +140,7 @@ def _indexing(device: str) -> list[object]:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_basic_indexing_gives_what_cpu_gives(mode):
-    expected = _indexing("cpu")
-    with simulated_accelerator(mode):
-        got = _indexing("cuda")
-    assert got == expected
+    _as_on_cpu(_indexing, mode)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -199,9 +203,7 @@ def _decompositions(device: str) -> list[object]:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_decomposed_bindings_are_never_taken_for_the_op_they_first_dispatched(mode):
-    expected = _decompositions("cpu")
-    with simulated_accelerator(mode):
-        assert _decompositions("cuda") == expected
+    _as_on_cpu(_decompositions, mode)
 
 
 def _assignments(device: str) -> list[object]:
@@ -225,9 +227,7 @@ def _assignments(device: str) -> list[object]:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_assignments_through_basic_indexing_convert_values_as_torch_does(mode):
-    expected = _assignments("cpu")
-    with simulated_accelerator(mode):
-        assert _assignments("cuda") == expected
+    _as_on_cpu(_assignments, mode)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -242,9 +242,7 @@ def test_in_place_view_ops_leave_queued_kernels_their_shapes(mode):
         y.unsqueeze_(0)
         return [x.cpu().tolist(), y.cpu().tolist()]
 
-    expected = program("cpu")
-    with simulated_accelerator(mode):
-        assert program("cuda") == expected
+    _as_on_cpu(program, mode)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -263,6 +261,8 @@ def test_inference_mode_is_kept_by_learned_and_reused_calls(mode):
             assert z.is_inference()
         with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
             y.add_(1)
+        with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+            y.copy_(x)  # (copy_'s own direct path)
         assert not x.mul(2).is_inference()
         del y, z
         b = torch.zeros(3, device="cuda")  # (memory an inference tensor had)

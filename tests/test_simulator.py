@@ -852,7 +852,8 @@ def _in_place_views(device: str) -> list[object]:
     x = torch.arange(6.0, device=device).reshape(2, 3)
     out: list[object] = []
     for op in (lambda t: t.t_(), lambda t: t.unsqueeze_(0), lambda t: t.squeeze_(0),
-               lambda t: t.transpose_(0, 1), lambda t: t.swapdims_(0, 1)):
+               lambda t: t.transpose_(0, 1), lambda t: t.swapdims_(0, 1),
+               lambda t: t.as_strided_((2, 2), (1, 2), 1)):
         assert op(x) is x
         out.append((tuple(x.shape), x.stride(), x.tolist(), (x * 2).tolist(),
                     x.contiguous().view(-1).tolist()))
@@ -861,8 +862,8 @@ def _in_place_views(device: str) -> list[object]:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_in_place_view_ops_change_the_tensors_own_metadata(mode):
-    """t_, unsqueeze_, squeeze_, transpose_, swapdims_ change the simulated tensor's shape
-    and strides, at once (as views are made), as on a CPU tensor."""
+    """t_, unsqueeze_, squeeze_, transpose_, swapdims_, as_strided_ change the simulated
+    tensor's shape and strides, at once (as views are made), as on a CPU tensor."""
     expected = _in_place_views("cpu")
     with simulated_accelerator(mode):
         assert _in_place_views("cuda") == expected

@@ -42,7 +42,7 @@ CACHE_KEEP = 256 * 2**20
 
 
 class _Block:
-    __slots__ = ("buf", "cap_pending", "kind", "layouts", "pending", "pool", "ptr", "region",
+    __slots__ = ("buf", "cap_pending", "kind", "layouts", "pending", "pool", "region",
                  "requested", "size", "stream", "views")
 
     def __init__(self, buf: torch.Tensor, size: int, stream: Any, pool: Any = None) -> None:
@@ -61,7 +61,6 @@ class _Block:
         # the tensors it was last handed out as, by (shape, stride, dtype): the next owner of
         # that layout gets the same one (making a view is most of an allocation's cost)
         self.layouts: dict[Any, torch.Tensor] = {}
-        self.ptr = buf.data_ptr()
         self.region: Any = None  # what the race tracker knows of its memory (its _region)
 
 
@@ -323,11 +322,8 @@ class Allocator:
         if held is None or held[0] is not races:
             held = block.region = races._region(block.buf)
         view = block.layouts.get(key)
-        # (its last owner is gone; a kernel that changed its metadata in place, resize_ or
-        # set_, makes it another tensor's)
-        if view is not None and view.data_ptr() == block.ptr and view.size() == shape and \
-                view.stride() == stride:
-            return view, Handle(self, block), new
+        if view is not None:  # (its last owner is gone; nothing changes a host tensor's
+            return view, Handle(self, block), new  # metadata in place: see _ops._inplace_view)
         # (not an inference tensor: the block is handed out again after inference mode ends)
         if torch.is_inference_mode_enabled():
             with torch.inference_mode(False):

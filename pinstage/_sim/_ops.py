@@ -654,7 +654,7 @@ def _to_copy(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any
 
 
 def _inplace_view(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    """``t.t_()``, ``t.unsqueeze_(0)``, ``t.transpose_(0, 1)``...: metadata only, so done at
+    """``t.t_()``, ``t.unsqueeze_(0)``, ``t.as_strided_(...)``...: metadata only, so done at
     once, as views are: on the host tensor and on the simulated tensor's own metadata (as
     PyTorch's return_and_correct_aliasing does for wrapper subclasses)."""
     self = args[0]
@@ -696,9 +696,8 @@ def _resize(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         "of the new size (torch.empty(size, device=...)) and copy into it")
 
 
-
 register_op(aten.t_, aten.transpose_, aten.unsqueeze_, aten.squeeze_, aten.swapdims_,
-            aten.swapaxes_)(_inplace_view)
+            aten.swapaxes_, aten.as_strided_)(_inplace_view)
 register_op(aten.resize_, aten.resize_as_, aten.set_)(_resize)
 register_op(aten.copy_)(_copy)
 register_op(aten._to_copy)(_to_copy)

@@ -75,6 +75,18 @@ _NO_DISPATCH = torch._C._DisableTorchDispatch  # (no __torch_dispatch__: subclas
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 
 
+def _call(op: Op, tensors: list[torch.Tensor]) -> None:
+    """Run ``op``'s function on its checked host reads, torch's function modes off (and its
+    Python dispatch too, for a plain op, when a dispatch mode would see its host ops)."""
+    assert op.fn is not None
+    with torch._C.DisableTorchFunction():
+        if op.plain and _dispatch_modes():
+            with _NO_DISPATCH():
+                op.fn(tensors)
+        else:
+            op.fn(tensors)
+
+
 class Op:
     """One queued device operation."""
 
@@ -644,13 +656,7 @@ class Scheduler:
         """An op queued by a kernel's body while it runs: part of that kernel (its accesses
         are the kernel's), so it runs now, in place."""
         if op.fn is not None:
-            tensors = [r.check(op.label) for r in op.reads]
-            with torch._C.DisableTorchFunction():
-                if op.plain and _dispatch_modes():
-                    with _NO_DISPATCH():
-                        op.fn(tensors)
-                else:
-                    op.fn(tensors)
+            _call(op, [r.check(op.label) for r in op.reads])
 
     def _run_op(self, op: Op) -> None:
         """Execute one op now (its dependencies are done): check its host reads, run it."""
@@ -662,12 +668,7 @@ class Scheduler:
                                    "work")
             _tls.running = True
             try:
-                with torch._C.DisableTorchFunction():
-                    if op.plain and _dispatch_modes():
-                        with _NO_DISPATCH():
-                            op.fn(tensors)
-                    else:
-                        op.fn(tensors)
+                _call(op, tensors)
             finally:
                 _tls.running = False
         if op.host_writes:  # later reads of what this wrote can't be checked by content

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._core import SimState, active, current
 from ._races import entry as _race_entry
 from ._races import host_written, schema_writes
-from ._sched import Op, in_kernel
+from ._sched import _NO_DISPATCH, Op, in_kernel
 
 __all__ = ["SimDispatchMode", "SimFunctionMode", "SimTensor", "OPS", "register_op",
            "register_default", "enter_modes", "spread_to_new_threads", "stop_spreading",
@@ -342,11 +342,10 @@ def _format(self: torch.Tensor, spec: str) -> str:
 def _copy_(self: torch.Tensor, src: Any, non_blocking: bool = False) -> torch.Tensor:
     if not isinstance(src, torch.Tensor):
         raise TypeError(f"copy_(): argument 'src' must be Tensor, not {type(src).__name__}")
-    if _nothing_between() and _race_entry.learn is None:  # (see _direct_function)
-        _dispatch_now(aten.copy_.default, (self, src, non_blocking), {})
-        _bump_version((self,))
-    else:
-        aten.copy_.default(self, src, non_blocking)
+    args = (self, src, non_blocking)
+    if not _nothing_between() or \
+            _run_direct(aten.copy_.default, None, args, {}, _COPY_WRITES) is _THROUGH_TORCH:
+        aten.copy_.default(*args)  # (see _direct_function)
     return self
 
 
@@ -587,7 +586,7 @@ def _torch_dispatch(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         learn = _race_entry.learn
         if learn is None:
             return handler(sim, func, args, kwargs)
-        seen = [func, args, kwargs, learn]  # (see _direct_function)
+        seen = [func, args, kwargs, None]  # (see _direct_function: its result next)
         learn.append(seen)
         seen[3] = handler(sim, func, args, kwargs)
         return seen[3]
@@ -817,26 +816,41 @@ def _direct_function(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     if known is _UNSEEN:
         return _learn(key, func, args, kwargs)
     op, written = known
-    if written:
-        bumped = [w for j, name in written if isinstance(
-            w := kwargs[name] if name in kwargs else args[j] if j < len(args) else None,
-            torch.Tensor)]
-        for w in bumped:
-            if w.is_inference():  # (outside inference mode: torch's error, through torch)
-                return _torch_function(func, args, kwargs)
-        out = _dispatch_direct(op, func, args, kwargs)
-        if bumped:
-            _bump_version(bumped)
-        return out
-    return _dispatch_direct(op, func, args, kwargs)
+    out = _run_direct(op, func, args, kwargs, written)
+    return _torch_function(func, args, kwargs) if out is _THROUGH_TORCH else out
 
 
 _UNSEEN = object()
+_THROUGH_TORCH = object()
+_COPY_WRITES = schema_writes(aten.copy_.default)
+
+
+def _run_direct(op: Any, host_call: Any, args: Any, kwargs: dict[str, Any],
+                written: Any) -> Any:
+    """aten ``op`` on simulated tensors as the dispatcher runs it (:func:`_dispatch_direct`),
+    the version counters of the arguments ``written`` names (schema_writes) bumped after,
+    as torch's ADInplaceOrView kernel does; ``_THROUGH_TORCH`` without running it if one of
+    those is an inference tensor (outside inference mode: torch's error is torch's to
+    raise)."""
+    if not written:
+        return _dispatch_direct(op, host_call, args, kwargs)
+    bumped = [w for j, name in written if isinstance(
+        w := kwargs[name] if name in kwargs else args[j] if j < len(args) else None,
+        torch.Tensor)]
+    for w in bumped:
+        if w.is_inference():
+            return _THROUGH_TORCH
+    out = _dispatch_direct(op, host_call, args, kwargs)
+    if bumped:
+        _bump_version(bumped)
+    return out
 
 
 def _dispatch_direct(op: Any, host_call: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     """:func:`_dispatch_now`, the op's kernel run as ``host_call`` (the torch binding that
-    stands for it) on the host tensors."""
+    stands for it, if given) on the host tensors."""
+    if host_call is None:
+        return _dispatch_now(op, args, kwargs)
     e = _race_entry
     prev = e.direct
     e.direct = (op, host_call)
@@ -903,9 +917,6 @@ def _host_bounds(idx: Any) -> Any:
         return slice(bound(i.start), bound(i.stop), bound(i.step)) if type(i) is slice else i
 
     return tuple(one(i) for i in idx) if type(idx) is tuple else one(idx)
-
-
-_NO_DISPATCH = torch._C._DisableTorchDispatch
 
 
 _INDEX_DTYPES = (torch.int64, torch.int32)
