@@ -339,6 +339,9 @@ class Allocator:
         return view, Handle(self, block), new
 
     def _take(self, size: int, stream: Any, requested: int) -> tuple[_Block, bool]:
+        block = self._recycle(size, stream, requested)
+        if block is not None:
+            return block, False
         self._collect(stream)
         private = self._private_of(stream) if stream.capture is not None or self.routes \
             else None
@@ -388,6 +391,57 @@ class Allocator:
                        private)
         self._new_segment(block)
         return self._use(block, requested), True
+
+    def _recycle(self, size: int, stream: Any, requested: int) -> _Block | None:
+        """The common allocation (a loop's temporaries): the only block freed since the last
+        allocation is the one :meth:`_collect` then :meth:`_take`'s search would hand out
+        (nothing else waiting or pooled comes first, the pool's trim keeps it): that block,
+        with the same statistics, without pooling it; else ``None``."""
+        freed = self.freed
+        if len(freed) != 1 or self.unused or self.waiting or self.routes or \
+                stream.capture is not None:
+            return None
+        block = freed[0]
+        bs = block.size
+        small = size <= SMALL
+        if block.pending or block.pool is not None or block.stream is not stream or \
+                not size <= bs <= 2 * size or (bs <= SMALL) != small:
+            return None
+        pool = self.pools.get(stream.stream_id)
+        if pool:  # (sorted by size: one that fits before it would be taken instead)
+            for b in pool:
+                if b.size > bs:
+                    break
+                if size <= b.size and (b.size <= SMALL) == small:
+                    return None
+        if self.reserved - (self.allocated - bs) > CACHE_KEEP:  # (_pool would trim)
+            return None
+        freed.popleft()
+        live = self.live
+        live.pop(id(block), None)
+        rows = self._rows[block.kind]
+        for stat in rows[_COUNTS]:  # (freed, inactive, then allocated and active again)
+            stat[2] += 1
+            stat[3] += 1
+        for stat in rows[_BYTES]:
+            stat[2] += bs
+            stat[3] += bs
+        old = block.requested
+        for stat in rows[_REQUESTED]:
+            cur = stat[0] = stat[0] - old + requested
+            stat[2] += requested
+            stat[3] += old
+            if cur > stat[1]:
+                stat[1] = cur
+        block.requested = requested
+        held = block.region
+        races = stream.sched.races
+        if held is not None and held[0] is races:
+            held[3] += 1
+        else:
+            races.reused(block.buf)
+        live[id(block)] = block
+        return block
 
     def _use(self, block: _Block, requested: int) -> _Block:
         rows = self._rows[block.kind]

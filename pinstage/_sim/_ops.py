@@ -23,14 +23,18 @@ import torch
 import torch.utils._pytree as pytree
 
 from .._callsite import call_site
-from ._core import SimState
+from ._core import SimState, current
 from ._hazards import HostRead, poison_, span
 from ._races import entry as _entry
 from ._races import schema_writes
-from ._sched import Op
+from ._sched import _NO_DISPATCH, Op, in_kernel
 from ._tensor import (
     _DEV,
+    _HANDLERS,
+    _LANES,
+    NO_LANE,
     Proxy,
+    SimTensor,
     devices_of,
     empty_device,
     inner_of,
@@ -40,11 +44,13 @@ from ._tensor import (
     register_default,
     register_op,
     wrap,
+    wrap_fresh,
 )
 
 __all__ = ["launch"]
 
 aten = torch.ops.aten
+_bump_version = torch._C._increment_version
 
 
 def _view(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -364,6 +370,7 @@ def _deferred(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> An
     # call, and it treats Python numbers as the user's call did
     direct = _entry.direct
     call = direct[1] if direct is not None and direct[0] is func else func
+    into = None
     if seed is None and not fresh:
         def run(_: list[torch.Tensor]) -> None:  # (in place)
             call(*ia, **ik)
@@ -402,10 +409,118 @@ def _deferred(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> An
                 for i, inner in fresh:
                     inner.copy_(leaves[i])
 
+    lane = _entry.lane
+    if lane is not None and lane[1] is args and lane[2] is kwargs and direct is not None and \
+            call is not func and key is not None and (spec is _SIMPLE or (
+                lane[3] is not None and not plan.writes)) and not uva and not proxy and \
+            seed is None and isinstance(meta_out, torch.Tensor):
+        _offer_lane(lane[0], sim, plan, flat, device, label, lane[3] or call,
+                    into if fresh else None, meta_out, fresh, result)
     sim.sched.enqueue(stream,
                       Op(label, run, reads, host_writes=host_writes, acc=(name, dev_reads, writes),
                          plain=True))
     return result
+
+
+def _offer_lane(lane_key: Any, sim: SimState, plan: _Plan, args: list[Any],
+                device: torch.device,
+                label: str, call: Any, into: Any, meta_out: torch.Tensor,
+                fresh: list[tuple[int, torch.Tensor]], result: Any) -> None:
+    """Keep what :func:`_deferred` worked out for this call of the direct path (one aten op
+    of positional simulated tensors and numbers, no UVA view; ``args``: them, flattened) as
+    a :class:`_Lane`, if its later calls of the same kind (binding, shapes, strides, dtypes,
+    numbers, device) can skip to the allocation, the race check and the queue."""
+    if not all(type(a) is SimTensor or type(a) in _LANE_SCALARS for a in args):
+        return  # (a CPU tensor is passed by value, a list would need _flatten)
+    known = _HANDLERS.get(id(plan.func))
+    if known is None or known[1] is not _deferred:
+        return  # (_deferred inside another op's handler, which may do more)
+    written = [j for j, _ in plan.writes if j < len(args)]
+    if len(written) != len(plan.writes) or any(type(args[j]) is not SimTensor
+                                                for j in written):
+        return
+    if fresh:
+        if written or len(fresh) != 1:
+            return
+        ret = -1
+    else:
+        ret = next((j for j, a in enumerate(args) if a is result), -1)
+        if ret < 0 or not written:
+            return
+    if len(_LANES) > 4096:
+        _LANES.clear()
+    _LANES[lane_key] = _Lane(device, label, plan.name, call, into, meta_out, ret,
+                             tuple(written), "launches")
+
+
+_LANE_SCALARS = (int, float, bool)
+
+
+class _Lane:
+    """A call of the direct path that :func:`_deferred` has seen: the same kind again is
+    the same work (its output's layout, its kernel, what it reads and writes) on new
+    arguments. Called with them, it allocates, checks races and queues as ``_deferred``
+    does, or returns ``NO_LANE`` where ``_deferred`` would do more (random mode, a graph
+    capture, a kernel's body, an inference tensor written, a closed or forked simulator)."""
+
+    __slots__ = ("call", "count", "device", "dtype", "index", "into", "label", "name", "ret",
+                 "shape", "stride", "written")
+
+    def __init__(self, device: torch.device, label: str, name: str, call: Any, into: Any,
+                 meta_out: torch.Tensor | None, ret: int, written: tuple[int, ...],
+                 count: str) -> None:
+        self.device, self.index = device, device.index or 0
+        self.label, self.name, self.call, self.into = label, name, call, into
+        if meta_out is not None:
+            self.shape, self.stride, self.dtype = \
+                meta_out.shape, meta_out.stride(), meta_out.dtype
+        self.ret, self.written, self.count = ret, written, count
+
+    def __call__(self, args: Any) -> Any:
+        sim = current()
+        if sim is None or sim.mode == "random":
+            return NO_LANE
+        sched = sim.sched
+        if sched.closed or sched.bad_fork or _entry.learn is not None or in_kernel():
+            return NO_LANE
+        index = self.index
+        stream = sched.current_stream(index)
+        if stream.capture is not None:
+            return NO_LANE
+        written = self.written
+        for j in written:
+            if args[j].is_inference():
+                return NO_LANE
+        ia = tuple([a._inner if type(a) is SimTensor else a for a in args])
+        reads = [a._inner for a in args if type(a) is SimTensor]
+        call = self.call
+        with sched.lock, _NO_DISPATCH():
+            if self.ret < 0:
+                shape, stride, dtype = self.shape, self.stride, self.dtype
+                inner, handle, new = sim.allocators[index].empty_strided(
+                    shape, stride, dtype, stream)
+                if new and sim.mode != "eager":
+                    poison_(inner)
+                result = wrap_fresh(inner, shape, stride, dtype, self.device, handle)
+                writes = [inner]
+                into = self.into
+                if into is not None:
+                    def run(_: list[torch.Tensor]) -> None:
+                        into(*ia, out=inner)
+                else:
+                    def run(_: list[torch.Tensor]) -> None:
+                        inner.copy_(call(*ia))
+            else:
+                result = args[self.ret]
+                writes = [args[j]._inner for j in written]
+
+                def run(_: list[torch.Tensor]) -> None:
+                    call(*ia)
+            sched.kernel(stream, Op(self.label, run, [], host_writes=[],
+                                    acc=(self.name, reads, writes), plain=True), self.count)
+        if written:
+            _bump_version([args[j] for j in written])
+        return result
 
 
 # (the shape cache's key of a call, torch binding's name) -> torch's function of that name,
@@ -541,6 +656,13 @@ def _copy(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
             if src._host is not None else []
         d_in, s_in = dst._inner, src._inner
         writes = [span(d_in)] if dst._host is not None else []
+        lane = _entry.lane
+        if lane is not None and lane[1] is args and lane[2] is kwargs and not deps and \
+                not reads and not writes and type(dst) is SimTensor and \
+                type(src) is SimTensor:  # (Tensor.copy_ of the same arguments: _tensor)
+            _LANES[lane[0]] = _Lane(dst._sim_device, "device-to-device copy",
+                                    "device-to-device copy", torch.Tensor.copy_, None, None,
+                                    0, (0,), "d2d_copies")
         if deps:  # the copy runs after the source device's current work
             sim.sched.races.join(stream, sim.sched.races.snapshot(deps[0][0]))
         sim.sched.enqueue(stream, Op("device-to-device copy", lambda _: d_in.copy_(s_in), reads,

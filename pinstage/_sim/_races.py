@@ -53,6 +53,9 @@ class _Entry(threading.local):
     host_op = False  # a torch call the user's code makes on host tensors is running
     learn: Any = None  # the simulator's dispatches seen while it learns a call (_tensor)
     direct: Any = None  # (aten op, the torch binding it stands for) on the direct path
+    # (lane key, args, kwargs, the lane's call of the flattened arguments if not the
+    # binding's) of a direct call not tried for a _Lane yet (_tensor, _ops)
+    lane: Any = None
 
 
 # The frame that called the torch function being simulated now, on this thread (set by the

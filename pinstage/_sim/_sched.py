@@ -75,6 +75,9 @@ _NO_DISPATCH = torch._C._DisableTorchDispatch  # (no __torch_dispatch__: subclas
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 
 
+_NO_READS: list[torch.Tensor] = []
+
+
 def _call(op: Op, tensors: list[torch.Tensor]) -> None:
     """Run ``op``'s function on its checked host reads, torch's function modes off (and its
     Python dispatch too, for a plain op, when a dispatch mode would see its host ops)."""
@@ -603,6 +606,43 @@ class Scheduler:
                     self.run_until(stream, op.seq)  # (else: behind a spin kernel, queued)
             elif self.mode == "random":
                 self.maybe_progress()
+
+    def kernel(self, stream: SimStream, op: Op, count: str = "launches") -> None:
+        """:meth:`enqueue` of a plain kernel of the direct path (``_ops._Lane``: no host reads
+        or writes, no dependencies), its caller having checked what enqueue checks first
+        (the simulator open and not forked, not inside a kernel's body, ``stream`` not
+        capturing), its torch modes off: in eager mode, with nothing queued ahead, it is
+        race-checked and run now."""
+        if self.mode != "eager" or stream.queue or self.sticky_error is not None or \
+                stream.sched is not self:
+            self.enqueue(stream, op, count)
+            return
+        self.used = True
+        with self.lock:
+            if stream.queue:  # (another thread queued since)
+                self.enqueue(stream, op, count)
+                return
+            races = self.races
+            seq = stream.last + 1
+            if races.enabled:
+                what, reads, writes = op.acc  # type: ignore[misc]
+                races._access(stream, seq, what, reads, writes, None)
+            setattr(self.stats, count, getattr(self.stats, count) + 1)
+            stream.last = seq
+            op.stream, op.seq = stream, seq
+            stream.t += op.ms
+            _tls.running = True
+            try:
+                op.fn(_NO_READS)  # type: ignore[misc]
+            except Exception:  # (an error it raises retires it, as in run_until)
+                stream.done = seq
+                raise
+            except BaseException:  # (interrupted: still queued, to run at the next wait)
+                stream.queue.append(op)
+                raise
+            finally:
+                _tls.running = False
+            stream.done = seq
 
     def maybe_progress(self) -> None:
         """Random mode: run a random number of ready operations, on random streams."""

@@ -37,7 +37,7 @@ from ._sched import _NO_DISPATCH, Op, in_kernel
 __all__ = ["SimDispatchMode", "SimFunctionMode", "SimTensor", "OPS", "register_op",
            "register_default", "enter_modes", "spread_to_new_threads", "stop_spreading",
            "is_device", "wrap", "inner_of", "empty_device", "to", "devices_of", "Proxy",
-           "from_proxy", "map_args", "map_out", "like_strides"]
+           "from_proxy", "map_args", "map_out", "like_strides", "wrap_fresh"]
 
 aten = torch.ops.aten
 _T = torch.Tensor
@@ -63,6 +63,7 @@ def register_op(*packets: Any) -> Callable[[Handler], Handler]:
         for p in packets:
             OPS[p] = fn
         _HANDLERS.clear()
+        _LANES.clear()
         return fn
     return deco
 
@@ -72,6 +73,7 @@ def register_default(kind: str) -> Callable[[Handler], Handler]:
     def deco(fn: Handler) -> Handler:
         _DEFAULTS[kind] = fn
         _HANDLERS.clear()
+        _LANES.clear()
         return fn
     return deco
 
@@ -113,6 +115,19 @@ def _wrapper(cls: Any, inner: torch.Tensor, device: torch.device, host: Any,
     r._sim_device = device
     r._block = block  # the allocator's handle of its memory: freed when the last goes
     return r
+
+
+def wrap_fresh(inner: torch.Tensor, shape: Any, stride: Any, dtype: torch.dtype,
+               device: torch.device, block: Any) -> SimTensor:
+    """``SimTensor(inner, device, None, block)`` of a fresh allocation (``inner`` of that
+    layout, at its block's start), its metadata known (reading it is three calls into
+    torch)."""
+    r = _make_wrapper(SimTensor, shape, strides=stride, dtype=dtype, device=device)
+    r._inner = inner
+    r._host = None
+    r._sim_device = device
+    r._block = block
+    return r  # type: ignore[no-any-return]
 
 
 class SimTensor(torch.Tensor):
@@ -343,9 +358,16 @@ def _copy_(self: torch.Tensor, src: Any, non_blocking: bool = False) -> torch.Te
     if not isinstance(src, torch.Tensor):
         raise TypeError(f"copy_(): argument 'src' must be Tensor, not {type(src).__name__}")
     args = (self, src, non_blocking)
-    if not _nothing_between() or \
-            _run_direct(aten.copy_.default, None, args, {}, _COPY_WRITES) is _THROUGH_TORCH:
+    if not _nothing_between():
         aten.copy_.default(*args)  # (see _direct_function)
+        return self
+    lane_key = _lane_key(_T.copy_, args)
+    lane: Any = _LANES.get(lane_key) if lane_key is not None else False
+    if lane and lane(args) is not NO_LANE:
+        return self
+    if _learning_lane(lane, lane_key, aten.copy_.default, None, args, {}, _COPY_WRITES) \
+            is _THROUGH_TORCH:
+        aten.copy_.default(*args)
     return self
 
 
@@ -767,8 +789,7 @@ class SimFunctionMode(TorchFunctionMode):
                     idx = args[1]
                     if func is _T.__getitem__ and type(idx) is SimTensor and idx.dim() and \
                             idx.dtype in _INDEX_DTYPES:  # t[indices]: what the binding runs
-                        return _dispatch_direct(aten.index.Tensor, _host_index,
-                                                (args[0], [idx]), {})
+                        return _getitem_indices(args[0], idx)
                 return _direct_function(func, args, kwargs)
             return _torch_function(func, args, kwargs)
         if sim.sched.races.watch and all(t is torch.Tensor for t in types) and \
@@ -808,6 +829,12 @@ def _direct_function(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     writes bumped, as torch's ADInplaceOrView kernel does). Only while nothing else could
     have come between: no other function or dispatch mode, no autocast, no functorch
     transform (each could change what the dispatcher does)."""
+    lane_key = None if kwargs else _lane_key(func, args)
+    lane: Any = _LANES.get(lane_key) if lane_key is not None else False
+    if lane and _nothing_between():
+        out = lane(args)
+        if out is not NO_LANE:
+            return out
     key = (func, tuple(map(type, args)), tuple(kwargs), tuple(map(type, kwargs.values()))) \
         if kwargs else (func, tuple(map(type, args)))
     known = _DIRECT.get(key, _UNSEEN)
@@ -816,8 +843,63 @@ def _direct_function(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     if known is _UNSEEN:
         return _learn(key, func, args, kwargs)
     op, written = known
-    out = _run_direct(op, func, args, kwargs, written)
+    out = _learning_lane(lane, lane_key, op, func, args, kwargs, written)
     return _torch_function(func, args, kwargs) if out is _THROUGH_TORCH else out
+
+
+def _learning_lane(lane: Any, lane_key: Any, op: Any, host_call: Any, args: Any,
+                   kwargs: dict[str, Any], written: Any) -> Any:
+    """:func:`_run_direct`; if this kind of call has not been tried for a lane yet
+    (``lane`` None), its handler may make one (``_ops._Lane``), else none is made."""
+    if lane is not None:
+        return _run_direct(op, host_call, args, kwargs, written)
+    e = _race_entry
+    prev = e.lane
+    e.lane = (lane_key, args, kwargs, None)
+    try:
+        return _run_direct(op, host_call, args, kwargs, written)
+    finally:
+        e.lane = prev
+        if lane_key not in _LANES:
+            if len(_LANES) > 4096:
+                _LANES.clear()
+            _LANES[lane_key] = False
+
+
+# (a torch binding, each argument's shape, stride and dtype or number, the device) ->
+# _ops._Lane: that call's work on the direct path, known (False: none can be made; cleared
+# with the handlers)
+_LANES: dict[Any, Any] = {}
+NO_LANE = object()  # a _Lane's answer where the general path must run
+_LANE_NUMBERS = (int, float, bool)
+
+
+def _lane_key(func: Any, args: Any) -> Any:
+    """The key of a direct call in :data:`_LANES`: positional simulated tensors (not UVA
+    views) on one device and numbers only, else ``None``."""
+    parts = [func]
+    device = None
+    for a in args:
+        t = type(a)
+        if t is SimTensor:
+            if a._host is not None:
+                return None
+            lk = a._lk
+            if lk is None:  # (the same as the wrapper's, read without its __torch_function__)
+                inner = a._inner
+                lk = a._lk = (inner.shape, inner.stride(), inner.dtype, True)
+            d = a._sim_device
+            if device is None:
+                device = d
+            elif d != device:
+                return None
+            parts.append(lk)
+        elif t in _LANE_NUMBERS:
+            parts.append((t, a))
+        else:
+            return None
+    parts.append(device)
+    return tuple(parts)
 
 
 _UNSEEN = object()
@@ -858,6 +940,31 @@ def _dispatch_direct(op: Any, host_call: Any, args: Any, kwargs: dict[str, Any])
         return _dispatch_now(op, args, kwargs)
     finally:
         e.direct = prev
+
+
+def _getitem_indices(x: Any, idx: Any) -> Any:
+    """``x[idx]`` of a simulated tensor of integer indices: ``aten.index.Tensor(x, [idx])``
+    on the direct path, its kernel ``x[idx]`` on the host tensors (in a lane, once known)."""
+    flat = (x, idx)
+    lane_key = _lane_key(_T.__getitem__, flat)
+    lane: Any = _LANES.get(lane_key) if lane_key is not None else False
+    if lane:
+        out = lane(flat)
+        if out is not NO_LANE:
+            return out
+    args = (x, [idx])
+    if lane is not None:
+        return _dispatch_direct(aten.index.Tensor, _host_index, args, {})
+    e = _race_entry
+    prev = e.lane
+    kwargs: dict[str, Any] = {}
+    e.lane = (lane_key, args, kwargs, _T.__getitem__)
+    try:
+        return _dispatch_direct(aten.index.Tensor, _host_index, args, kwargs)
+    finally:
+        e.lane = prev
+        if lane_key not in _LANES:
+            _LANES[lane_key] = False
 
 
 def _host_index(x: torch.Tensor, indices: list[torch.Tensor]) -> torch.Tensor:
@@ -996,8 +1103,8 @@ def _learn(key: Any, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     if len(seen) == 1:
         op, a, k, res = seen[0]
         if isinstance(op, torch._ops.OpOverload) and len(a) == len(args) and \
-                all(x is y for x, y in zip(a, args)) and k.keys() == kwargs.keys() and \
-                all(k[n] is kwargs[n] for n in k) and "device" not in k and (
+                all(_same_arg(x, y) for x, y in zip(a, args)) and k.keys() == kwargs.keys() \
+                and all(_same_arg(k[n], kwargs[n]) for n in k) and "device" not in k and (
                     out is res or (type(out) is type(res) and type(out) in (tuple, list) and
                                    len(out) == len(res) and
                                    all(x is y for x, y in zip(out, res)))) and \
@@ -1010,6 +1117,14 @@ def _learn(key: Any, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         _DIRECT.clear()
     _DIRECT[key] = direct
     return out
+
+
+def _same_arg(seen: Any, given: Any) -> bool:
+    """Whether the dispatcher passed the binding's argument ``given`` on as ``seen``: the
+    same object, or the same Python number (torch's argument parser makes a float a new
+    object of the same value)."""
+    return seen is given or (type(seen) is type(given) and type(seen) in _LANE_NUMBERS and (
+        seen == given or (seen != seen and given != given)))
 
 
 # the simulator's own files: their torch calls on host memory are its own, never the user's

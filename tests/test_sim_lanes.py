@@ -1,0 +1,268 @@
+"""The simulator's lanes (issue 17 item 5): a call of the direct path seen once (its binding,
+shapes, strides, dtypes, numbers and device) goes straight to its allocation, race check and
+queue the next time; and the allocator hands the one block just freed back without pooling
+it. Both are shortcuts of the general path, so the reference here is the general path itself:
+the same random programs run with the shortcuts off and on must give the same values, the
+same addresses, the same ``memory_stats()``, the same counters and the same race errors."""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from pinstage._sim import _alloc, _ops, _tensor
+from pinstage.testing import HazardError, simulated_accelerator
+
+pytestmark = pytest.mark.timeout(300)
+
+SIZES = (4, 6)
+
+
+def _step_kinds() -> list[str]:
+    return ["add", "mul", "add_", "mul_", "copy_", "index", "setitem", "fill_", "free",
+            "new", "stream", "event", "sync"]
+
+
+def _program(seed: int, n: int = 60) -> list[tuple[Any, ...]]:
+    """A random program: ``n`` steps over a few device tensors, two streams, events."""
+    rng = random.Random(seed)
+    kinds = _step_kinds()
+    steps: list[tuple[Any, ...]] = []
+    for _ in range(n):
+        kind = rng.choice(kinds)
+        steps.append((kind, rng.randrange(6), rng.randrange(6), rng.choice(SIZES),
+                      rng.choice((0.5, 2, -1.25, 3)), rng.random() < 0.3))
+    return steps
+
+
+def _run(steps: list[tuple[Any, ...]], mode: str, seed: int) -> dict[str, Any]:
+    """Run ``steps``; what a user could observe: values, addresses, stats, errors."""
+    seen: list[Any] = []
+    blocks: dict[int, int] = {}  # address -> the order it was first seen in (a run's own)
+
+    def where(t: torch.Tensor) -> int:
+        return blocks.setdefault(t.data_ptr(), len(blocks))
+
+    with simulated_accelerator(mode, seed=seed) as sim:
+        side = torch.cuda.Stream()
+        streams = [torch.cuda.current_stream(), side]
+        live: list[torch.Tensor | None] = [
+            torch.arange(size, dtype=torch.float32, device="cuda") for size in SIZES * 3]
+        idx = {size: torch.arange(0, size, 2, device="cuda") for size in SIZES}
+        for t in live:
+            where(t)
+        event = torch.cuda.Event()
+
+        def pick(i: int, size: int) -> torch.Tensor:
+            for k in range(len(live)):
+                t = live[(i + k) % len(live)]
+                if t is not None and t.numel() == size:
+                    return t
+            t = torch.zeros(size, device="cuda")
+            live.append(t)
+            return t
+
+        for kind, i, j, size, number, on_side in steps:
+            stream = streams[1 if on_side else 0]
+            try:
+                with torch.cuda.stream(stream):
+                    a, b = pick(i, size), pick(j, size)
+                    if kind == "add":
+                        live[i] = a + b
+                    elif kind == "mul":
+                        live[j] = a * number
+                    elif kind == "add_":
+                        a.add_(number)
+                    elif kind == "mul_":
+                        a.mul_(b)
+                    elif kind == "copy_":
+                        a.copy_(b)
+                    elif kind == "index":
+                        live[i] = a[idx[size]]
+                    elif kind == "setitem":
+                        a[1:3] = number
+                    elif kind == "fill_":
+                        a.fill_(number)
+                    elif kind == "free":
+                        live[i] = None
+                    elif kind == "new":  # (not empty: its garbage differs run to run)
+                        live[i] = torch.full((size,), float(number), device="cuda")
+                    elif kind == "stream":
+                        streams[0].wait_stream(side) if on_side else side.wait_stream(streams[0])
+                    elif kind == "event":
+                        event.record()
+                        streams[0 if on_side else 1].wait_event(event)
+                    elif kind == "sync":
+                        torch.cuda.synchronize()
+                    got = live[i] if kind in ("add", "index", "new") else \
+                        live[j] if kind == "mul" else a
+                    if got is not None:
+                        seen.append((kind, where(got), got._version))
+            except HazardError as exc:
+                seen.append(("race", re.sub(r"0x[0-9a-f]+", "0x?", str(exc))))
+                torch.cuda.synchronize()  # (then the program goes on, ordered again)
+        torch.cuda.synchronize()
+        values = [t.tolist() if t is not None else None for t in live]
+        return {"seen": seen, "values": values, "stats": torch.cuda.memory_stats(),
+                "counters": sim.stats.as_dict()}
+
+
+def _general(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every call on the general path: no lanes, no recycled block."""
+    monkeypatch.setattr(_tensor, "_lane_key", lambda func, args: None)
+    monkeypatch.setattr(_alloc.Allocator, "_recycle", lambda self, size, stream, req: None)
+
+
+def _lanes_made() -> int:
+    return sum(isinstance(v, _ops._Lane) for v in _tensor._LANES.values())
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy", "random"])
+@pytest.mark.parametrize("seed", range(6))
+def test_lanes_change_nothing_a_user_sees(mode, seed, monkeypatch):
+    """A random program gives the same values, addresses, version counters, memory stats,
+    counters and race errors with the shortcuts as on the general path."""
+    steps = _program(seed)
+    _tensor._LANES.clear()
+    fast = _run(steps, mode, seed)
+    if mode != "random":
+        assert _lanes_made() > 0
+    with monkeypatch.context() as m:
+        _general(m)
+        _tensor._LANES.clear()
+        slow = _run(steps, mode, seed)
+    assert fast["seen"] == slow["seen"]
+    assert fast["values"] == slow["values"]
+    assert fast["stats"] == slow["stats"]
+    assert fast["counters"] == slow["counters"]
+
+
+def test_the_programs_race_and_reuse_memory():
+    """(The programs above exercise what they are meant to: races, and blocks reused.)"""
+    races = reused = 0
+    for seed in range(6):
+        got = _run(_program(seed), "eager", seed)
+        races += sum(1 for s in got["seen"] if s[0] == "race")
+        ptrs = [s[1] for s in got["seen"] if s[0] in ("add", "index", "new", "mul")]
+        reused += len(ptrs) - len(set(ptrs))
+    assert races > 0
+    assert reused > 0
+
+
+def _twice(fn: Callable[[], Any]) -> Any:
+    fn()  # (learned)
+    return fn()  # (its lane, where one is made)
+
+
+def test_each_common_call_gets_a_lane():
+    """``x + y``, ``x.add_(0.5)``, ``z.copy_(y)``, ``x[idx]`` and ``x[1:3] = 2.0`` each get
+    a lane the first time (a float argument too: torch's parser passes it on as a new
+    object of the same value)."""
+    with simulated_accelerator("eager"):
+        x = torch.arange(6.0, device="cuda")
+        y = torch.ones(6, device="cuda")
+        z = torch.empty(6, device="cuda")
+        idx = torch.tensor([0, 2, 5], device="cuda")
+        _tensor._LANES.clear()
+        for fn in (lambda: x + y, lambda: x.add_(0.5), lambda: z.copy_(y), lambda: x[idx],
+                   lambda: x.__setitem__(slice(1, 3), 2.0)):
+            before = _lanes_made()
+            _twice(fn)
+            assert _lanes_made() == before + 1
+        assert x.tolist() == [1.0, 2.0, 2.0, 4.0, 5.0, 6.0]  # (0..5, +0.5 twice, [1:3] = 2)
+        assert x[idx].tolist() == [1.0, 2.0, 6.0]
+        assert z.tolist() == [1.0] * 6
+
+
+def test_a_lane_races_as_the_general_path_does():
+    """A race on the second call of a kind (its lane) is found, naming both lines."""
+    with simulated_accelerator("eager"):
+        x = torch.arange(6.0, device="cuda")
+        y = torch.ones(6, device="cuda")
+        _twice(lambda: x + y)
+        torch.cuda.synchronize()  # (the reads so far are done)
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            x.add_(1)  # the write
+        with pytest.raises(HazardError, match="test_sim_lanes.py") as err:
+            x + y  # the read, unordered after it
+        assert "add_" in str(err.value) and "add" in str(err.value)
+
+
+def test_a_lane_leaves_inference_tensors_to_torch():
+    """An in-place op on an inference tensor outside inference mode raises torch's error,
+    also where that kind of call has a lane."""
+    with simulated_accelerator("eager"):
+        u = torch.ones(4, device="cuda")
+        _twice(lambda: u.add_(1))
+        with torch.inference_mode():
+            t = torch.ones(4, device="cuda")
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="[Ii]nference"):
+                t.add_(1)
+        assert u.tolist() == [3.0] * 4
+
+
+def test_a_lane_is_not_taken_while_a_graph_captures():
+    """A call captured into a graph is recorded there (its lane would run it at once)."""
+    with simulated_accelerator("eager"):
+        x = torch.arange(4.0, device="cuda")
+        y = torch.ones(4, device="cuda")
+        _twice(lambda: x + y)
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            with torch.cuda.graph(g):
+                out = x + y
+        x.fill_(10.0)
+        g.replay()
+        assert out.tolist() == [11.0] * 4
+
+
+def test_a_lane_inside_a_kernel_body_runs_inline():
+    """``x + y`` in ``sim.launch``'s body is part of that kernel (run there, readable)."""
+    with simulated_accelerator("lazy") as sim:
+        x = torch.arange(4.0, device="cuda")
+        y = torch.ones(4, device="cuda")
+        _twice(lambda: x + y)
+        got: list[Any] = []
+
+        def body() -> None:
+            got.append((x + y).tolist())
+
+        sim.launch(body)
+        torch.cuda.synchronize()
+        assert got == [[1.0, 2.0, 3.0, 4.0]]
+
+
+def test_a_new_handler_drops_the_lanes():
+    """Registering a handler forgets every lane (each was made by the handler before)."""
+    with simulated_accelerator("eager"):
+        x = torch.arange(4.0, device="cuda")
+        _twice(lambda: x + x)
+        assert _lanes_made() > 0
+        aten_copy = torch.ops.aten.copy_
+        _tensor.register_op(aten_copy)(_tensor.OPS[aten_copy])  # (the same one again)
+        assert _lanes_made() == 0
+
+
+def test_a_recycled_block_keeps_the_cache_trim():
+    """A block freed while the cache holds more than CACHE_KEEP bytes is not simply handed
+    back: freeing it trims the cache first (the biggest free block goes), as the general
+    path does."""
+    mib = 2**20
+    assert _alloc.CACHE_KEEP == 256 * mib
+    with simulated_accelerator("eager"):
+        c = torch.empty(210 * mib, dtype=torch.uint8, device="cuda")
+        del c  # (cached: 210 MiB, under the limit)
+        b = torch.empty(100 * mib, dtype=torch.uint8, device="cuda")  # (c's block too big)
+        assert torch.cuda.memory_reserved() == 310 * mib
+        del b  # 310 MiB cached: the 210 MiB block goes back to the device
+        again = torch.empty(100 * mib, dtype=torch.uint8, device="cuda")  # b's block
+        assert torch.cuda.memory_reserved() == 100 * mib
+        assert torch.cuda.memory_allocated() == again.numel()
