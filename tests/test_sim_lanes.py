@@ -128,13 +128,13 @@ def test_lanes_change_nothing_a_user_sees(mode, seed, monkeypatch):
     """A random program gives the same values, addresses, version counters, memory stats,
     counters and race errors with the shortcuts as on the general path."""
     steps = _program(seed)
-    _tensor._LANES.clear()
+    _tensor.forget_lanes()
     fast = _run(steps, mode, seed)
     if mode != "random":
         assert _lanes_made() > 0
     with monkeypatch.context() as m:
         _general(m)
-        _tensor._LANES.clear()
+        _tensor.forget_lanes()
         slow = _run(steps, mode, seed)
     assert fast["seen"] == slow["seen"]
     assert fast["values"] == slow["values"]
@@ -168,7 +168,7 @@ def test_each_common_call_gets_a_lane():
         y = torch.ones(6, device="cuda")
         z = torch.empty(6, device="cuda")
         idx = torch.tensor([0, 2, 5], device="cuda")
-        _tensor._LANES.clear()
+        _tensor.forget_lanes()
         for fn in (lambda: x + y, lambda: x.add_(0.5), lambda: z.copy_(y), lambda: x[idx],
                    lambda: x.__setitem__(slice(1, 3), 2.0)):
             before = _lanes_made()
@@ -266,3 +266,39 @@ def test_a_recycled_block_keeps_the_cache_trim():
         again = torch.empty(100 * mib, dtype=torch.uint8, device="cuda")  # b's block
         assert torch.cuda.memory_reserved() == 100 * mib
         assert torch.cuda.memory_allocated() == again.numel()
+
+
+def _lane_of(func: Any) -> Any:
+    return next(v for k, v in _tensor._LANES.items() if k[0] is func and v)
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_a_lane_interrupted_or_failing_in_its_kernel(error):
+    """Ctrl-C while a lane's kernel runs (eager) leaves it queued, to run again at the next
+    wait, as the general path does; an error it raises retires it, and the stream goes on."""
+    with simulated_accelerator("eager") as sim:
+        x = torch.arange(4.0, device="cuda")
+        y = torch.ones(4, device="cuda")
+        _twice(lambda: x + y)
+        lane = _lane_of(torch.Tensor.add)
+        calls: list[int] = []
+        real = lane.into
+
+        def flaky(*args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            if len(calls) == 1:
+                raise error("stop")
+            return real(*args, **kwargs)
+
+        lane.into = flaky
+        try:
+            with pytest.raises(error):
+                x + y
+            assert sim.pending == (1 if error is KeyboardInterrupt else 0)
+            torch.cuda.synchronize()
+            assert sim.pending == 0
+            assert torch.cuda.current_stream().query()  # (all it was given has run)
+            assert len(calls) == (2 if error is KeyboardInterrupt else 1)
+            assert (x + y).tolist() == [1.0, 2.0, 3.0, 4.0]
+        finally:
+            lane.into = real

@@ -23,15 +23,14 @@ import torch
 import torch.utils._pytree as pytree
 
 from .._callsite import call_site
-from ._core import SimState, current
+from ._core import _ACTIVE, SimState
 from ._hazards import HostRead, poison_, span
 from ._races import entry as _entry
 from ._races import schema_writes
-from ._sched import _NO_DISPATCH, Op, in_kernel
+from ._sched import Op, in_kernel
 from ._tensor import (
     _DEV,
     _HANDLERS,
-    _LANES,
     NO_LANE,
     Proxy,
     SimTensor,
@@ -39,6 +38,7 @@ from ._tensor import (
     empty_device,
     inner_of,
     is_device,
+    keep_lane,
     like_strides,
     map_out,
     register_default,
@@ -447,10 +447,8 @@ def _offer_lane(lane_key: Any, sim: SimState, plan: _Plan, args: list[Any],
         ret = next((j for j, a in enumerate(args) if a is result), -1)
         if ret < 0 or not written:
             return
-    if len(_LANES) > 4096:
-        _LANES.clear()
-    _LANES[lane_key] = _Lane(device, label, plan.name, call, into, meta_out, ret,
-                             tuple(written), "launches")
+    keep_lane(lane_key, _Lane(device, label, plan.name, call, into, meta_out, ret,
+                              tuple(written), "launches"))
 
 
 _LANE_SCALARS = (int, float, bool)
@@ -477,7 +475,7 @@ class _Lane:
         self.ret, self.written, self.count = ret, written, count
 
     def __call__(self, args: Any) -> Any:
-        sim = current()
+        sim = _ACTIVE[-1] if _ACTIVE else None  # (current())
         if sim is None or sim.mode == "random":
             return NO_LANE
         sched = sim.sched
@@ -494,7 +492,7 @@ class _Lane:
         ia = tuple([a._inner if type(a) is SimTensor else a for a in args])
         reads = [a._inner for a in args if type(a) is SimTensor]
         call = self.call
-        with sched.lock, _NO_DISPATCH():
+        with sched.lock:
             if self.ret < 0:
                 shape, stride, dtype = self.shape, self.stride, self.dtype
                 inner, handle, new = sim.allocators[index].empty_strided(
@@ -516,8 +514,7 @@ class _Lane:
 
                 def run(_: list[torch.Tensor]) -> None:
                     call(*ia)
-            sched.kernel(stream, Op(self.label, run, [], host_writes=[],
-                                    acc=(self.name, reads, writes), plain=True), self.count)
+            sched.kernel(stream, self.label, run, self.name, reads, writes, self.count)
         if written:
             _bump_version([args[j] for j in written])
         return result
@@ -660,9 +657,9 @@ def _copy(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         if lane is not None and lane[1] is args and lane[2] is kwargs and not deps and \
                 not reads and not writes and type(dst) is SimTensor and \
                 type(src) is SimTensor:  # (Tensor.copy_ of the same arguments: _tensor)
-            _LANES[lane[0]] = _Lane(dst._sim_device, "device-to-device copy",
-                                    "device-to-device copy", torch.Tensor.copy_, None, None,
-                                    0, (0,), "d2d_copies")
+            keep_lane(lane[0], _Lane(dst._sim_device, "device-to-device copy",
+                                     "device-to-device copy", torch.Tensor.copy_, None, None,
+                                     0, (0,), "d2d_copies"))
         if deps:  # the copy runs after the source device's current work
             sim.sched.races.join(stream, sim.sched.races.snapshot(deps[0][0]))
         sim.sched.enqueue(stream, Op("device-to-device copy", lambda _: d_in.copy_(s_in), reads,

@@ -607,42 +607,47 @@ class Scheduler:
             elif self.mode == "random":
                 self.maybe_progress()
 
-    def kernel(self, stream: SimStream, op: Op, count: str = "launches") -> None:
+    def kernel(self, stream: SimStream, label: str, fn: Callable[[list[torch.Tensor]], Any],
+               what: str, reads: list[torch.Tensor], writes: list[torch.Tensor],
+               count: str = "launches") -> None:
         """:meth:`enqueue` of a plain kernel of the direct path (``_ops._Lane``: no host reads
-        or writes, no dependencies), its caller having checked what enqueue checks first
-        (the simulator open and not forked, not inside a kernel's body, ``stream`` not
-        capturing), its torch modes off: in eager mode, with nothing queued ahead, it is
-        race-checked and run now."""
+        or writes, no dependencies; ``what`` reads ``reads`` and writes ``writes``), its
+        caller holding :attr:`lock` and having checked what enqueue checks first (the
+        simulator open and not forked, not inside a kernel's body, ``stream`` not
+        capturing): in eager mode, with nothing queued ahead, it is race-checked and run
+        now (the Op made only if it must stay queued)."""
         if self.mode != "eager" or stream.queue or self.sticky_error is not None or \
                 stream.sched is not self:
-            self.enqueue(stream, op, count)
+            self.enqueue(stream, Op(label, fn, [], host_writes=[], acc=(what, reads, writes),
+                                    plain=True), count)
             return
         self.used = True
-        with self.lock:
-            if stream.queue:  # (another thread queued since)
-                self.enqueue(stream, op, count)
-                return
-            races = self.races
-            seq = stream.last + 1
-            if races.enabled:
-                what, reads, writes = op.acc  # type: ignore[misc]
-                races._access(stream, seq, what, reads, writes, None)
-            setattr(self.stats, count, getattr(self.stats, count) + 1)
-            stream.last = seq
-            op.stream, op.seq = stream, seq
-            stream.t += op.ms
-            _tls.running = True
-            try:
-                op.fn(_NO_READS)  # type: ignore[misc]
-            except Exception:  # (an error it raises retires it, as in run_until)
-                stream.done = seq
-                raise
-            except BaseException:  # (interrupted: still queued, to run at the next wait)
-                stream.queue.append(op)
-                raise
-            finally:
-                _tls.running = False
+        races = self.races
+        seq = stream.last + 1
+        if races.enabled:
+            races._access(stream, seq, what, reads, writes, None)
+        stats = self.stats
+        setattr(stats, count, getattr(stats, count) + 1)
+        stream.last = seq
+        stream.t += OP_MS
+        _tls.running = True
+        try:
+            if _dispatch_modes():
+                with _NO_DISPATCH():
+                    fn(_NO_READS)
+            else:
+                fn(_NO_READS)
+        except Exception:  # (an error it raises retires it, as in run_until)
             stream.done = seq
+            raise
+        except BaseException:  # (interrupted: still queued, to run at the next wait)
+            op = Op(label, fn, [], host_writes=[], plain=True)
+            op.stream, op.seq = stream, seq
+            stream.queue.append(op)
+            raise
+        finally:
+            _tls.running = False
+        stream.done = seq
 
     def maybe_progress(self) -> None:
         """Random mode: run a random number of ready operations, on random streams."""

@@ -37,7 +37,8 @@ from ._sched import _NO_DISPATCH, Op, in_kernel
 __all__ = ["SimDispatchMode", "SimFunctionMode", "SimTensor", "OPS", "register_op",
            "register_default", "enter_modes", "spread_to_new_threads", "stop_spreading",
            "is_device", "wrap", "inner_of", "empty_device", "to", "devices_of", "Proxy",
-           "from_proxy", "map_args", "map_out", "like_strides", "wrap_fresh"]
+           "from_proxy", "map_args", "map_out", "like_strides", "wrap_fresh", "keep_lane",
+           "forget_lanes"]
 
 aten = torch.ops.aten
 _T = torch.Tensor
@@ -63,7 +64,7 @@ def register_op(*packets: Any) -> Callable[[Handler], Handler]:
         for p in packets:
             OPS[p] = fn
         _HANDLERS.clear()
-        _LANES.clear()
+        forget_lanes()
         return fn
     return deco
 
@@ -73,7 +74,7 @@ def register_default(kind: str) -> Callable[[Handler], Handler]:
     def deco(fn: Handler) -> Handler:
         _DEFAULTS[kind] = fn
         _HANDLERS.clear()
-        _LANES.clear()
+        forget_lanes()
         return fn
     return deco
 
@@ -361,7 +362,8 @@ def _copy_(self: torch.Tensor, src: Any, non_blocking: bool = False) -> torch.Te
     if not _nothing_between():
         aten.copy_.default(*args)  # (see _direct_function)
         return self
-    lane_key = _lane_key(_T.copy_, args)
+    # (keyed as the binding's call: z.copy_(y) finds its lane in the function mode)
+    lane_key = _lane_key(_T.copy_, args if non_blocking is not False else args[:2])
     lane: Any = _LANES.get(lane_key) if lane_key is not None else False
     if lane and lane(args) is not NO_LANE:
         return self
@@ -760,6 +762,12 @@ class SimFunctionMode(TorchFunctionMode):
         prev = e.frame
         e.frame = sys._getframe(1)  # (the race checker names the user's line from here)
         try:
+            if func in _LANE_FUNCS and not kwargs and types == _SIM_TYPES:  # (seen: a lane)
+                lane = _LANES.get(_lane_key(func, args))
+                if lane and _nothing_between():
+                    out = lane(args)
+                    if out is not NO_LANE:
+                        return out
             return self._function(func, types, args, kwargs or {})
         finally:
             e.frame = prev
@@ -861,16 +869,30 @@ def _learning_lane(lane: Any, lane_key: Any, op: Any, host_call: Any, args: Any,
     finally:
         e.lane = prev
         if lane_key not in _LANES:
-            if len(_LANES) > 4096:
-                _LANES.clear()
-            _LANES[lane_key] = False
+            keep_lane(lane_key, False)
 
 
 # (a torch binding, each argument's shape, stride and dtype or number, the device) ->
 # _ops._Lane: that call's work on the direct path, known (False: none can be made; cleared
 # with the handlers)
 _LANES: dict[Any, Any] = {}
-NO_LANE = object()  # a _Lane's answer where the general path must run
+_LANE_FUNCS: set[Any] = set()  # the bindings with a lane
+_SIM_TYPES = (SimTensor,)
+NO_LANE = object()
+
+
+def keep_lane(key: Any, lane: Any) -> None:
+    """``_LANES[key] = lane`` (``False``: this kind of call has none)."""
+    if len(_LANES) > 4096:
+        forget_lanes()
+    _LANES[key] = lane
+    if lane:
+        _LANE_FUNCS.add(key[0])
+
+
+def forget_lanes() -> None:
+    _LANES.clear()
+    _LANE_FUNCS.clear()  # a _Lane's answer where the general path must run
 _LANE_NUMBERS = (int, float, bool)
 
 
@@ -964,7 +986,7 @@ def _getitem_indices(x: Any, idx: Any) -> Any:
     finally:
         e.lane = prev
         if lane_key not in _LANES:
-            _LANES[lane_key] = False
+            keep_lane(lane_key, False)
 
 
 def _host_index(x: torch.Tensor, indices: list[torch.Tensor]) -> torch.Tensor:
