@@ -51,6 +51,7 @@ __all__ = ["launch"]
 
 aten = torch.ops.aten
 _bump_version = torch._C._increment_version
+_NO_SUBCLASS_TF = torch._C.DisableTorchFunctionSubclass
 
 
 def _view(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -486,9 +487,11 @@ class _Lane:
         if stream.capture is not None:
             return NO_LANE
         written = self.written
-        for j in written:
-            if args[j].is_inference():
-                return NO_LANE
+        if written:
+            with _NO_SUBCLASS_TF():  # (a SimTensor's method goes to its __torch_function__)
+                for j in written:
+                    if args[j].is_inference():
+                        return NO_LANE
         ia = tuple([a._inner if type(a) is SimTensor else a for a in args])
         reads = [a._inner for a in args if type(a) is SimTensor]
         call = self.call

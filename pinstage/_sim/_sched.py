@@ -614,10 +614,12 @@ class Scheduler:
         or writes, no dependencies; ``what`` reads ``reads`` and writes ``writes``), its
         caller holding :attr:`lock` and having checked what enqueue checks first (the
         simulator open and not forked, not inside a kernel's body, ``stream`` not
-        capturing): in eager mode, with nothing queued ahead, it is race-checked and run
-        now (the Op made only if it must stay queued)."""
-        if self.mode != "eager" or stream.queue or self.sticky_error is not None or \
-                stream.sched is not self:
+        capturing): race-checked and, in eager mode with nothing queued ahead, run now (the
+        Op made only if it must stay queued), in lazy mode queued."""
+        mode = self.mode
+        queue = stream.queue
+        if (queue if mode == "eager" else mode != "lazy" or len(queue) >= MAX_QUEUED) or \
+                self.sticky_error is not None or stream.sched is not self:
             self.enqueue(stream, Op(label, fn, [], host_writes=[], acc=(what, reads, writes),
                                     plain=True), count)
             return
@@ -630,6 +632,11 @@ class Scheduler:
         setattr(stats, count, getattr(stats, count) + 1)
         stream.last = seq
         stream.t += OP_MS
+        if mode == "lazy":  # (queued, to run when the host waits)
+            op = Op(label, fn, [], host_writes=[], plain=True)
+            op.stream, op.seq = stream, seq
+            queue.append(op)
+            return
         _tls.running = True
         try:
             if _dispatch_modes():
