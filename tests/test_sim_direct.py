@@ -268,3 +268,45 @@ def test_inference_mode_is_kept_by_learned_and_reused_calls(mode):
         b = torch.zeros(3, device="cuda")  # (memory an inference tensor had)
         b.add_(1)
         assert (b * 2).tolist() == [2.0] * 3 and not b.is_inference()
+
+
+def _assignments_and_inference(device: str) -> list[object]:
+    """In-place writes by assignment and by the methods that go through a proxy: the
+    version counters they bump, and inference tensors refusing them outside inference
+    mode; a view made in inference mode of a normal tensor."""
+    out: list[object] = []
+    with torch.inference_mode():
+        t = torch.ones(4, device=device)
+    for write in (lambda: t.__setitem__(slice(1, 3), 2.0), lambda: t.__setitem__(0, 1),
+                  lambda: t.__setitem__(slice(0, 2), torch.zeros(2, device=device)),
+                  lambda: t.add_(1), lambda: t.masked_fill_(t > 0, 3.0)):
+        for _ in range(CALLS):
+            try:
+                write()
+                out.append("written")
+            except RuntimeError as exc:
+                out.append(str(exc))
+    x = torch.zeros(4, device=device)
+    for _ in range(CALLS):
+        x[1:3] = 2.0
+        x[0] = 1
+        x[0:2] = torch.ones(2, device=device)
+        x[torch.tensor([3], device=device)] = 5.0
+        x.masked_fill_(x > 4, 0.5)
+        x.index_fill_(0, torch.tensor([0], device=device), 7.0)
+        out.append(x._version)
+    with torch.inference_mode():
+        x[1:3] = 4.0  # (its view of a normal tensor is normal: it raised here)
+        out.append(x.view(2, 2).is_inference())
+    out.append(x._version)
+    out.append(x.tolist())
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_assignments_bump_versions_and_respect_inference_tensors(mode):
+    """``x[1:3] = 2.0`` bumps ``x._version`` (torch's view shares it), so do in-place
+    methods that run on a proxy (``masked_fill_``, ``index_fill_``, advanced assignment);
+    on an inference tensor outside inference mode each raises torch's error; assigning into
+    a normal tensor in inference mode works: as on CPU."""
+    _as_on_cpu(_assignments_and_inference, mode)

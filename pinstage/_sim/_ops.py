@@ -61,6 +61,13 @@ def _view(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     a, k = _unflatten([x._inner if isinstance(x, _DEV) else x for x in flat], spec)
     out = func(*a, **k)
     host, block = base._host, base._block
+    if torch.is_inference_mode_enabled():
+        with _NO_SUBCLASS_TF():
+            normal = not base.is_inference()
+        if normal:  # (a view of a normal tensor is a normal tensor, in inference mode too:
+            with torch.inference_mode(False):  # torch's view keeps its base's version counter)
+                return map_out(lambda t: wrap(t, device, host, proxy, block)
+                               if isinstance(t, torch.Tensor) else t, out)
     return map_out(lambda t: wrap(t, device, host, proxy, block)
                    if isinstance(t, torch.Tensor) else t, out)
 

@@ -223,13 +223,30 @@ def _to_proxy(x: Any) -> Any:
         return x
     p = x.__dict__.get("_proxy")
     if p is None:  # (it references nothing that references x: no cycle to collect)
-        p = x._proxy = Proxy(x._inner, x._sim_device, x._host, x._block)
+        with torch._C.DisableTorchFunctionSubclass():
+            inference = x.is_inference()
+        if inference:  # (an inference tensor's proxy is one too: torch's checks see it)
+            with torch.inference_mode():
+                p = Proxy(x._inner, x._sim_device, x._host, x._block)
+        elif torch.is_inference_mode_enabled():  # (and a normal tensor's a normal one)
+            with torch.inference_mode(False):
+                p = Proxy(x._inner, x._sim_device, x._host, x._block)
+        else:
+            p = Proxy(x._inner, x._sim_device, x._host, x._block)
+        x._proxy = p
     return p
 
 
 def _from_proxy(x: Any) -> Any:
-    return SimTensor(x._inner, x._sim_device, x._host, x._block) if isinstance(x, Proxy) \
-        else x
+    if not isinstance(x, Proxy):
+        return x
+    if torch.is_inference_mode_enabled():
+        with torch._C.DisableTorchFunctionSubclass():
+            normal = not x.is_inference()
+        if normal:  # (a normal result stays one: a view of a normal tensor, say)
+            with torch.inference_mode(False):
+                return SimTensor(x._inner, x._sim_device, x._host, x._block)
+    return SimTensor(x._inner, x._sim_device, x._host, x._block)
 
 
 def empty_device(sim: SimState, shape: Any, dtype: torch.dtype, index: int,
@@ -261,7 +278,15 @@ def _torch_function(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     orig = args
     args, kwargs = map_args(_to_proxy, args, kwargs)
     with torch._C.DisableTorchFunctionSubclass():
+        # (an in-place method bumps its proxy's version counter: the tensor's is bumped as
+        # many times, after)
+        seen = [(a, p, p._version) for a, p in zip(orig, args)
+                if type(p) is Proxy and a is not p and not p.is_inference()]
         out = func(*args, **kwargs)
+        bumps = [(a, p._version - v) for a, p, v in seen]
+    for a, n in bumps:
+        for _ in range(n):
+            _bump_version([a])
     if isinstance(out, Proxy):  # an in-place method returns its tensor itself
         for a, p in zip(orig, args):
             if p is out and a is not p:
@@ -1063,26 +1088,42 @@ _NUMBERS = (int, float, bool)
 
 
 def _setitem(self: Any, idx: Any, value: Any) -> None:
-    """``t[idx] = value`` by basic indexing, of a number or a simulated tensor: a fill or a
-    copy into that view, queued as torch's binding queues it."""
+    """``t[idx] = value`` by basic indexing (outside inference mode), of a number or a
+    simulated tensor: a fill or a copy into that view, queued as torch's binding queues it.
+    The view is made here, not by torch's view ops, so it keeps no version counter shared
+    with ``t``: ``t``'s is bumped here, as torch's shared one is."""
+    if type(value) in _NUMBERS or type(value) is SimTensor:
+        with _NO_SUBCLASS_TF():  # (a SimTensor's method goes to its __torch_function__)
+            inference = self.is_inference()
+        if inference:
+            raise RuntimeError(_INFERENCE_INPLACE)
     if type(value) in _NUMBERS:
         view = _getitem(self, idx)
-        if _in_range(value, self.dtype):  # (then fill_ of the number is the same, cheaper)
+        dtype = self._inner.dtype
+        if _in_range(value, dtype):  # (then fill_ of the number is the same, cheaper)
             _direct_function(_T.fill_, (view, value), {})
-            return
-        # (torch's binding makes the number a CPU tensor of the target's dtype, as its
-        # valueToTensor does, with no overflow check for floats, unlike fill_ of a number;
-        # then at::indexing::copy_to: fill_ from it, copy_ into a 0-dim view)
-        with _NO_DISPATCH(), torch._C.DisableTorchFunction():
-            v = torch.tensor(value, dtype=self.dtype)
-        if view.dim():
-            _direct_function(_T.fill_, (view, v), {})
         else:
-            _torch_function(_T.copy_, (view, v), {})
+            # (torch's binding makes the number a CPU tensor of the target's dtype, as its
+            # valueToTensor does, with no overflow check for floats, unlike fill_ of a
+            # number; then at::indexing::copy_to: fill_ from it, copy_ into a 0-dim view)
+            with _NO_DISPATCH(), torch._C.DisableTorchFunction():
+                v = torch.tensor(value, dtype=dtype)
+            if view._inner.dim():
+                _direct_function(_T.fill_, (view, v), {})
+            else:
+                _torch_function(_T.copy_, (view, v), {})
+        _bump_version([self])
     elif type(value) is SimTensor:
         _torch_function(_T.copy_, (_getitem(self, idx), value), {})
+        _bump_version([self])
     else:
         _torch_function(_T.__setitem__, (self, idx, value), {})
+
+
+_INFERENCE_INPLACE = (  # (torch's words)
+    "Inplace update to inference tensor outside InferenceMode is not allowed.You can make a "
+    "clone to get a normal tensor before doing inplace update.See "
+    "https://github.com/pytorch/rfcs/pull/17 for more details.")
 
 
 # dtype -> (lowest, highest, the Python number types) for which fill_ of a number does what
