@@ -869,6 +869,36 @@ def test_in_place_view_ops_change_the_tensors_own_metadata(mode):
         assert _in_place_views("cuda") == expected
 
 
+def _restrided(device: str) -> list[object]:
+    out: list[object] = []
+    x = torch.arange(16.0, device=device).reshape(1, 4, 2, 2)
+    out.append(x.resize_(1, 4, 2, 2, memory_format=torch.channels_last).stride())
+    out.append(x.is_contiguous(memory_format=torch.channels_last))
+    out.append(x.resize_(1, 4, 2, 2).stride())  # (no memory_format: strides kept)
+    out.append(x.resize_(1, 4, 2, 2, memory_format=torch.contiguous_format).stride())
+    t = torch.arange(6.0, device=device).reshape(3, 2).t()
+    out.append(t.resize_as_(torch.empty(2, 3, device=device)).stride())
+    try:
+        x.resize_(1, 4, 2, 2, memory_format=torch.preserve_format)
+    except RuntimeError as exc:
+        out.append(str(exc))
+    y = torch.zeros(1, 4, 2, 2, device=device)
+    y.resize_(1, 4, 2, 2, memory_format=torch.channels_last)
+    y.copy_(torch.arange(16.0, device=device).reshape(1, 4, 2, 2))
+    out.append((y.stride(), y.tolist()))
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_resizing_to_its_own_shape_in_another_memory_format_restrides(mode):
+    """resize_(its shape, memory_format=channels_last) gives channels-last strides (and
+    later ops see them), without memory_format keeps them, preserve_format is torch's error,
+    as on CPU."""
+    expected = _restrided("cpu")
+    with simulated_accelerator(mode):
+        assert _restrided("cuda") == expected
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_resizing_a_device_tensor_to_another_shape_is_refused(mode):
     """resize_ to its own shape is nothing; to another the simulator refuses (the tensor's

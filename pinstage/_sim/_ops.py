@@ -806,19 +806,23 @@ def _inplace_view(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -
 
 
 def _resize(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    """``resize_``/``resize_as_``/``set_`` to the shape a simulated tensor has is nothing to
-    do; to another, the simulator refuses (it cannot change a device tensor's size in place:
+    """``resize_``/``resize_as_`` to the shape a simulated tensor has changes at most its
+    strides (a ``memory_format=``), at once, as :func:`_inplace_view` does; to another shape,
+    and ``set_``, the simulator refuses (it cannot change a device tensor's size in place:
     allocate one of the new size instead) rather than leave the tensor's size wrong."""
     self = args[0]
-    if func.overloadpacket is aten.resize_:
-        size = tuple(args[1] if len(args) > 1 else kwargs["size"])
-    elif func.overloadpacket is aten.resize_as_ and len(args) > 1 and \
-            isinstance(args[1], torch.Tensor):
-        size = tuple(args[1].shape)
-    else:
-        size = None
-    if size is not None and size == tuple(self.shape):
-        return self
+    if func.overloadpacket in (aten.resize_, aten.resize_as_):
+        # (what torch does to a tensor of this layout, worked out on meta tensors: its
+        # strides, or torch's error for these arguments)
+        meta = torch.empty_strided(self.shape, self.stride(), dtype=self.dtype, device="meta")
+        rest, spec = _flatten(args[1:], kwargs)
+        ma, mk = _unflatten([_meta(x) for x in rest], spec)
+        func(meta, *ma, **mk)
+        if meta.shape == self.shape:
+            if meta.stride() != self.stride():
+                _inplace_view(sim, aten.as_strided_.default,
+                              (self, meta.shape, meta.stride(), self.storage_offset()), {})
+            return self
     raise NotImplementedError(
         f"{func.overloadpacket.__name__} of a simulated CUDA tensor ({self._sim_device}, shape "
         f"{tuple(self.shape)}) to another shape or storage is not simulated: allocate a tensor "
