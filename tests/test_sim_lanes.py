@@ -302,3 +302,36 @@ def test_a_lane_interrupted_or_failing_in_its_kernel(error):
             assert (x + y).tolist() == [1.0, 2.0, 3.0, 4.0]
         finally:
             lane.into = real
+
+
+def _totals_after_reset() -> dict[str, int]:
+    with simulated_accelerator("eager"):
+        x = torch.arange(16.0, device="cuda")
+        y = torch.ones(16, device="cuda")
+        for _ in range(5):
+            out = x + y  # (each frees the last one's block, recycled)
+        del out
+        torch.cuda.reset_accumulated_memory_stats()
+        for _ in range(3):
+            out = x + y
+        stats = torch.cuda.memory_stats()
+        assert out.numel() == 16  # (the last one still held)
+        return {k: stats[k] for k in ("allocation.all.allocated", "allocation.all.freed",
+                                      "allocated_bytes.all.allocated",
+                                      "allocated_bytes.all.freed",
+                                      "allocation.all.current", "allocation.all.peak")}
+
+
+def test_recycled_blocks_count_in_the_running_totals_after_a_reset(monkeypatch):
+    """reset_accumulated_memory_stats() forgets the recycles before it (they are counted
+    apart until read), and counts those after: 3 allocations, 2 frees, as the general
+    path counts them."""
+    fast = _totals_after_reset()
+    with monkeypatch.context() as m:
+        _general(m)
+        slow = _totals_after_reset()
+    assert fast == slow
+    block = 512  # (16 floats: the smallest block)
+    assert fast["allocation.all.allocated"] == 3 and fast["allocation.all.freed"] == 3 - 1
+    assert fast["allocated_bytes.all.allocated"] == 3 * block
+    assert fast["allocated_bytes.all.freed"] == 2 * block

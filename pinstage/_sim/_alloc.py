@@ -140,6 +140,21 @@ class Allocator:
                       for kind in _KINDS[1:]}
         self._allocated = st["allocated_bytes.all"]
         self._reserved = st["reserved_bytes.all"]
+        # per pool kind: [blocks, bytes, requested bytes] of the recycles (_recycle) not yet
+        # in the running totals (allocated, freed) of the counts, bytes and requested bytes
+        self._cycled = {kind: [0, 0, 0] for kind in _KINDS[1:]}
+
+    def _fold(self) -> None:
+        """Add the recycles counted in :attr:`_cycled` to the running totals."""
+        for kind, (n, nbytes, req) in self._cycled.items():
+            if n:
+                rows = self._rows[kind]
+                for stats, k in ((rows[_COUNTS], n), (rows[_BYTES], nbytes),
+                                 (rows[_REQUESTED], req)):
+                    for stat in stats:
+                        stat[2] += k
+                        stat[3] += k
+                self._cycled[kind] = [0, 0, 0]
 
     # -- statistics --------------------------------------------------------------------------
     @property
@@ -414,26 +429,32 @@ class Allocator:
                     break
                 if size <= b.size and (b.size <= SMALL) == small:
                     return None
-        if self.reserved - (self.allocated - bs) > CACHE_KEEP:  # (_pool would trim)
+        if self._reserved[0] - (self._allocated[0] - bs) > CACHE_KEEP:  # (_pool would trim)
             return None
         freed.popleft()
         live = self.live
         live.pop(id(block), None)
-        rows = self._rows[block.kind]
-        for stat in rows[_COUNTS]:  # (freed, inactive, then allocated and active again)
-            stat[2] += 1
-            stat[3] += 1
-        for stat in rows[_BYTES]:
-            stat[2] += bs
-            stat[3] += bs
         old = block.requested
-        for stat in rows[_REQUESTED]:
-            cur = stat[0] = stat[0] - old + requested
-            stat[2] += requested
-            stat[3] += old
-            if cur > stat[1]:
-                stat[1] = cur
-        block.requested = requested
+        if old == requested:  # (freed, inactive, allocated and active again: only the running
+            cycled = self._cycled[block.kind]  # totals move, counted here until read)
+            cycled[0] += 1
+            cycled[1] += bs
+            cycled[2] += requested
+        else:
+            rows = self._rows[block.kind]
+            for stat in rows[_COUNTS]:
+                stat[2] += 1
+                stat[3] += 1
+            for stat in rows[_BYTES]:
+                stat[2] += bs
+                stat[3] += bs
+            for stat in rows[_REQUESTED]:
+                cur = stat[0] = stat[0] - old + requested
+                stat[2] += requested
+                stat[3] += old
+                if cur > stat[1]:
+                    stat[1] = cur
+            block.requested = requested
         held = block.region
         races = stream.sched.races
         if held is not None and held[0] is races:
@@ -465,6 +486,7 @@ class Allocator:
     # -- torch.cuda's view -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         self._collect()
+        self._fold()
         out: dict[str, Any] = {}
         for key, (cur, peak, made, gone) in self.st.items():
             out[f"{key}.current"] = cur
@@ -484,6 +506,7 @@ class Allocator:
         """``reset_accumulated_memory_stats``: the running totals (allocated, freed) start
         again from 0, as PyTorch's reset_accumulated_stat does (current and peak stay)."""
         self._collect()
+        self._fold()
         for stat in self.st.values():
             stat[2], stat[3] = 0, 0
         for key in self.counts:
