@@ -39,6 +39,7 @@ from ._tensor import (
     inner_of,
     is_device,
     keep_lane,
+    layout_id,
     like_strides,
     map_out,
     register_default,
@@ -295,7 +296,7 @@ def _deferred(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> An
             inner = x._inner
             lk = x._lk
             if lk is None:
-                lk = x._lk = (x.shape, x.stride(), x.dtype, True)
+                lk = x._lk = layout_id(inner)
             parts.append(lk)
             if x._host is not None:
                 uva.append(x)

@@ -16,6 +16,7 @@ that catch ``device="cuda"`` before any dispatch.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import os
 import sys
@@ -38,7 +39,7 @@ __all__ = ["SimDispatchMode", "SimFunctionMode", "SimTensor", "OPS", "register_o
            "register_default", "enter_modes", "spread_to_new_threads", "stop_spreading",
            "is_device", "wrap", "inner_of", "empty_device", "to", "devices_of", "Proxy",
            "from_proxy", "map_args", "map_out", "like_strides", "wrap_fresh", "keep_lane",
-           "forget_lanes"]
+           "forget_lanes", "layout_id"]
 
 aten = torch.ops.aten
 _T = torch.Tensor
@@ -139,8 +140,8 @@ class SimTensor(torch.Tensor):
     _sim_device: torch.device
     _block: Any
     _proxy: Proxy  # this tensor seen as ``cpu``, once made (``_to_proxy``)
-    # (shape, stride, dtype, True): its part of the simulator's shape-cache keys, found once
-    # (a wrapper's metadata does not change; reading it is three calls into torch)
+    # the number of its layout (layout_id): its part of the simulator's cache keys, found
+    # once (and again after an in-place view op changes it: _ops._inplace_view)
     _lk: Any = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
@@ -921,6 +922,24 @@ def forget_lanes() -> None:
 _LANE_NUMBERS = (int, float, bool)
 
 
+# (shape, stride, dtype) -> its number: a simulated tensor's layout in the keys of the
+# simulator's caches is this number (_lk), cheaper to hash than the layout itself
+_LAYOUT_IDS: dict[tuple[Any, Any, torch.dtype], int] = {}
+_NEXT_LAYOUT = itertools.count(1)
+
+
+def layout_id(inner: torch.Tensor) -> int:
+    """The number of ``inner``'s layout (a simulated tensor's: its host tensor's, read
+    without the wrapper's __torch_function__); numbers are never reused."""
+    key = (inner.shape, inner.stride(), inner.dtype)
+    known = _LAYOUT_IDS.get(key)
+    if known is None:
+        if len(_LAYOUT_IDS) > 65536:
+            _LAYOUT_IDS.clear()
+        known = _LAYOUT_IDS[key] = next(_NEXT_LAYOUT)
+    return known
+
+
 def _lane_key(func: Any, args: Any) -> Any:
     """The key of a direct call in :data:`_LANES`: positional simulated tensors (not UVA
     views) on one device and numbers only, else ``None``."""
@@ -932,9 +951,8 @@ def _lane_key(func: Any, args: Any) -> Any:
             if a._host is not None:
                 return None
             lk = a._lk
-            if lk is None:  # (the same as the wrapper's, read without its __torch_function__)
-                inner = a._inner
-                lk = a._lk = (inner.shape, inner.stride(), inner.dtype, True)
+            if lk is None:
+                lk = a._lk = layout_id(a._inner)
             d = a._sim_device
             if device is None:
                 device = d
