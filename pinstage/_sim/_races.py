@@ -230,56 +230,84 @@ class RaceTracker:
         return known
 
     def _access(self, stream: Any, seq: int, what: str, reads: Any, writes: Any,
-                where: tuple[str, int] | None) -> None:
+                where: tuple[str, int] | None, trusted: bool = False) -> None:
+        """:meth:`access`'s work, torch's function modes off. ``trusted``: every tensor is
+        a simulated tensor's own host tensor (not a UVA view), whose address and size never
+        change (the simulator refuses resizes, and an in-place view op makes a new one): a
+        span it keeps is its span."""
         sid = stream.stream_id
         mine = self.clocks.get(sid) or _EMPTY
         host = self.host
         site = where if where is not None else _where()
-        todo: list[tuple[list[Any], Access, bool]] = []
+        # first every check (nothing is recorded if one raises), then every record
+        todo: list[Any] = []  # (region, access) of each write, then None, then each read's
         for t in writes:
-            n = t.numel()
-            if not n:
-                continue
-            _, _, lo, hi, held, st, shape, dtype = self._span(t, n)
+            known = getattr(t, _SPAN, None)  # (_span's answer, inline where it is known)
+            if known is None or known[4][0] is not self or not trusted and (
+                    known[0] != t.data_ptr() or known[1] != t.numel()):
+                n = t.numel()
+                if not n:
+                    continue
+                known = self._span(t, n)
+            _, _, lo, hi, held, st, shape, dtype = known
             a: Access = (what, stream, sid, seq, site, lo, hi, shape, dtype, held[3], st)
-            for prevs, verb in ((held[2], "reads"), (held[1], "writes")):  # (CSAN's order)
-                for p in prevs:
-                    if p[_SID] != sid and p[_LO] < hi and lo < p[_HI] and \
-                            mine.get(p[_SID], 0) < p[_SEQ] and \
-                            host.get(p[_SID], 0) < p[_SEQ] and \
-                            ((st is None and p[_STRIDE] is None) or _overlaps(a, p)):
-                        raise _error("write", a, p, verb)
-            todo.append((held, a, True))
+            for p in held[2]:  # (CSAN's order: the reads, then the writes)
+                if p[_SID] != sid and p[_LO] < hi and lo < p[_HI] and \
+                        mine.get(p[_SID], 0) < p[_SEQ] and host.get(p[_SID], 0) < p[_SEQ] and \
+                        ((st is None and p[_STRIDE] is None) or _overlaps(a, p)):
+                    raise _error("write", a, p, "reads")
+            for p in held[1]:
+                if p[_SID] != sid and p[_LO] < hi and lo < p[_HI] and \
+                        mine.get(p[_SID], 0) < p[_SEQ] and host.get(p[_SID], 0) < p[_SEQ] and \
+                        ((st is None and p[_STRIDE] is None) or _overlaps(a, p)):
+                    raise _error("write", a, p, "writes")
+            todo.append(held)
+            todo.append(a)
+        nw = len(todo)
         one = writes[0] if len(writes) == 1 else None
         for t in reads:
-            n = t.numel()
-            if not n or t is one or (writes and one is None and any(t is w for w in writes)):
+            if t is one or (writes and one is None and any(t is w for w in writes)):
                 continue  # (read and written: the write's checks cover both)
-            _, _, lo, hi, held, st, shape, dtype = self._span(t, n)
+            known = getattr(t, _SPAN, None)
+            if known is None or known[4][0] is not self or not trusted and (
+                    known[0] != t.data_ptr() or known[1] != t.numel()):
+                n = t.numel()
+                if not n:
+                    continue
+                known = self._span(t, n)
+            _, _, lo, hi, held, st, shape, dtype = known
             a = (what, stream, sid, seq, site, lo, hi, shape, dtype, held[3], st)
             for p in held[1]:
                 if p[_SID] != sid and p[_LO] < hi and lo < p[_HI] and \
                         mine.get(p[_SID], 0) < p[_SEQ] and host.get(p[_SID], 0) < p[_SEQ] and \
                         ((st is None and p[_STRIDE] is None) or _overlaps(a, p)):
                     raise _error("read", a, p, "writes")
-            todo.append((held, a, False))
-        for held, a, write in todo:  # all checked: record them, dropping what they cover
+            todo.append(held)
+            todo.append(a)
+        # all checked: record them, dropping what they cover
+        for i in range(0, len(todo), 2):
+            held, a = todo[i], todo[i + 1]
+            write = i < nw
             lo, hi = a[_LO], a[_HI]
             if held[4]:  # pinned host memory: the host's own ops on it are checked now
                 self.watch[id(held)] = held
             if a[_STRIDE] is not None:  # (strided: it covers only some bytes of [lo, hi))
                 held[1 if write else 2].append(a)
             elif write:
-                if held[1]:
-                    held[1] = [p for p in held[1] if p[_LO] < lo or p[_HI] > hi]
+                w = held[1]
+                if len(w) == 1 and w[0][_LO] >= lo and w[0][_HI] <= hi:
+                    w[0] = a  # (the common case: it covers the one write before)
+                else:
+                    if w:
+                        held[1] = w = [p for p in w if p[_LO] < lo or p[_HI] > hi]
+                    w.append(a)
                 if held[2]:
                     held[2] = [p for p in held[2] if p[_LO] < lo or p[_HI] > hi]
-                held[1].append(a)
             else:
                 r = held[2]
                 if r:  # (a read covered and ordered before this one adds nothing)
-                    if len(r) == 1 and r[0][_SID] == sid and r[0][_LO] >= lo and \
-                            r[0][_HI] <= hi:
+                    p = r[0]
+                    if len(r) == 1 and p[_SID] == sid and p[_LO] >= lo and p[_HI] <= hi:
                         r[0] = a  # (the common case: the same stream read it last)
                         continue
                     held[2] = r = [p for p in r if p[_LO] < lo or p[_HI] > hi or (

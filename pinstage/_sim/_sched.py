@@ -627,7 +627,7 @@ class Scheduler:
         races = self.races
         seq = stream.last + 1
         if races.enabled:
-            races._access(stream, seq, what, reads, writes, None)
+            races._access(stream, seq, what, reads, writes, None, True)
         stats = self.stats
         setattr(stats, count, getattr(stats, count) + 1)
         stream.last = seq
