@@ -58,9 +58,10 @@ class _Block:
         # then) each; held while any capture is underway, as PyTorch does (see _collect)
         self.cap_pending: list[tuple[Any, int]] | None = None
         self.views: dict[torch.dtype, torch.Tensor] = {}  # the whole block, per dtype
-        # the tensors it was last handed out as, by (shape, stride, dtype): the next owner of
-        # that layout gets the same one (making a view is most of an allocation's cost)
-        self.layouts: dict[Any, torch.Tensor] = {}
+        # the tensors it was last handed out as, by their layout's number (_layout): the next
+        # owner of that layout gets the same one (making a view is most of an allocation's
+        # cost)
+        self.layouts: dict[int, torch.Tensor] = {}
         self.region: Any = None  # what the race tracker knows of its memory (its _region)
 
 
@@ -318,17 +319,16 @@ class Allocator:
 
     # -- allocating --------------------------------------------------------------------------
     def empty_strided(self, shape: tuple[int, ...], stride: tuple[int, ...],
-                      dtype: torch.dtype, stream: Any
+                      dtype: torch.dtype, stream: Any, layout: Any = None
                       ) -> tuple[torch.Tensor, Handle | None, bool]:
-        """Device memory for a tensor of this layout, allocated on ``stream``: the tensor (a
-        view of its block), the block's handle (``None`` for no bytes) and whether the block
-        is new (a reused one holds its last owner's bytes, which queued work may still
-        read: nothing may write it now)."""
-        key = (shape, stride, dtype)
-        layout = _LAYOUTS.get(key)
+        """Device memory for a tensor of this layout (``layout``: its :func:`layout_of`, if
+        the caller keeps it), allocated on ``stream``: the tensor (a view of its block), the
+        block's handle (``None`` for no bytes) and whether the block is new (a reused one
+        holds its last owner's bytes, which queued work may still read: nothing may write it
+        now)."""
         if layout is None:
-            layout = _layout(shape, stride, dtype)
-        nbytes, size, numel = layout
+            layout = _LAYOUTS.get((shape, stride, dtype)) or _layout(shape, stride, dtype)
+        nbytes, size, numel, key = layout
         if nbytes == 0:
             return torch.empty_strided(shape, stride, dtype=dtype, device="cpu"), None, True
         block, new = self._take(size, stream, nbytes)
@@ -604,18 +604,28 @@ def _view_of(block: _Block, shape: tuple[int, ...], stride: tuple[int, ...],
     return typed.as_strided(shape, stride)
 
 
-# (shape, stride, dtype) -> (bytes it spans, the block size it takes, elements)
-_LAYOUTS: dict[tuple[Any, Any, torch.dtype], tuple[int, int, int]] = {}
+# (shape, stride, dtype) -> (bytes it spans, the block size it takes, elements, a number
+# of its own: a block's key for the tensor it was last of this layout)
+_LAYOUTS: dict[tuple[Any, Any, torch.dtype], tuple[int, int, int, int]] = {}
+_LAYOUT_NUMBERS = itertools.count()
+
+
+def layout_of(shape: tuple[int, ...], stride: tuple[int, ...],
+              dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """What :meth:`Allocator.empty_strided` needs of this layout (a caller that allocates
+    it again and again keeps it)."""
+    return _LAYOUTS.get((shape, stride, dtype)) or _layout(shape, stride, dtype)
 
 
 def _layout(shape: tuple[int, ...], stride: tuple[int, ...],
-            dtype: torch.dtype) -> tuple[int, int, int]:
+            dtype: torch.dtype) -> tuple[int, int, int, int]:
     itemsize = _ITEMSIZE.get(dtype)
     if itemsize is None:
         itemsize = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype, device="cpu").element_size()
     n = 0 if 0 in shape else 1 + sum((d - 1) * s for d, s in zip(shape, stride))
     nbytes = n * itemsize
-    layout = (nbytes, max(ROUND, -(-nbytes // ROUND) * ROUND), math.prod(shape))
+    layout = (nbytes, max(ROUND, -(-nbytes // ROUND) * ROUND), math.prod(shape),
+              next(_LAYOUT_NUMBERS))
     if len(_LAYOUTS) > 4096:
         _LAYOUTS.clear()
     _LAYOUTS[(shape, stride, dtype)] = layout

@@ -23,6 +23,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .._callsite import call_site
+from ._alloc import layout_of
 from ._core import _ACTIVE, SimState
 from ._hazards import HostRead, poison_, span
 from ._races import entry as _entry
@@ -470,8 +471,8 @@ class _Lane:
     does, or returns ``NO_LANE`` where ``_deferred`` would do more (random mode, a graph
     capture, a kernel's body, an inference tensor written, a closed or forked simulator)."""
 
-    __slots__ = ("call", "count", "device", "dtype", "index", "into", "label", "name", "ret",
-                 "shape", "stride", "written")
+    __slots__ = ("call", "count", "device", "dtype", "index", "into", "label", "layout", "name",
+                 "ret", "shape", "stride", "written")
 
     def __init__(self, device: torch.device, label: str, name: str, call: Any, into: Any,
                  meta_out: torch.Tensor | None, ret: int, written: tuple[int, ...],
@@ -481,6 +482,7 @@ class _Lane:
         if meta_out is not None:
             self.shape, self.stride, self.dtype = \
                 meta_out.shape, meta_out.stride(), meta_out.dtype
+            self.layout = layout_of(self.shape, self.stride, self.dtype)
         self.ret, self.written, self.count = ret, written, count
 
     def __call__(self, args: Any) -> Any:
@@ -507,7 +509,7 @@ class _Lane:
             if self.ret < 0:
                 shape, stride, dtype = self.shape, self.stride, self.dtype
                 inner, handle, new = sim.allocators[index].empty_strided(
-                    shape, stride, dtype, stream)
+                    shape, stride, dtype, stream, self.layout)
                 if new and sim.mode != "eager":
                     poison_(inner)
                 result = wrap_fresh(inner, shape, stride, dtype, self.device, handle)
