@@ -101,17 +101,45 @@ _STRIDED = torch.strided
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
+class _Probe(torch.Tensor):
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),  # type: ignore[override]
+                           kwargs: Any = None) -> Any:
+        return NotImplemented
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+def _positional() -> bool:
+    """Whether this torch's ``_make_wrapper_subclass`` takes (cls, size, strides,
+    storage_offset, memory_format, dtype, layout, device) by position, as its stub says:
+    its argument parser is cheaper so (keywords, else)."""
+    try:
+        r = _make_wrapper(_Probe, (2, 3), (1, 2), 1, None, torch.float16, _STRIDED,
+                          torch.device("meta"))
+        return bool(r.dtype is torch.float16 and r.shape == (2, 3) and r.stride() == (1, 2)
+                    and r.storage_offset() == 1 and r.device.type == "meta")
+    except Exception:  # noqa: BLE001 - (another signature)
+        return False
+
+
+if _positional():
+    def _make(cls: Any, size: Any, strides: Any, offset: int, dtype: torch.dtype,
+              layout: Any, device: torch.device) -> Any:
+        return _make_wrapper(cls, size, strides, offset, None, dtype, layout, device)
+else:
+    def _make(cls: Any, size: Any, strides: Any, offset: int, dtype: torch.dtype,
+              layout: Any, device: torch.device) -> Any:
+        return _make_wrapper(cls, size, strides=strides, storage_offset=offset, dtype=dtype,
+                             layout=layout, device=device)
+
+
 def _wrapper(cls: Any, inner: torch.Tensor, device: torch.device, host: Any,
              reported: torch.device, block: Any = None) -> torch.Tensor:
     """A tensor of type ``cls`` with ``inner``'s layout, reporting ``reported`` as its device,
     whose data is ``inner`` on simulated ``device``."""
-    offset, layout = inner.storage_offset(), inner.layout
-    if offset == 0 and layout is _STRIDED:  # (each keyword costs torch's argument parser)
-        r = _make_wrapper(cls, inner.size(), strides=inner.stride(), dtype=inner.dtype,
-                          device=reported)
-    else:
-        r = _make_wrapper(cls, inner.size(), strides=inner.stride(), storage_offset=offset,
-                          dtype=inner.dtype, device=reported, layout=layout)
+    r = _make(cls, inner.size(), inner.stride(), inner.storage_offset(), inner.dtype,
+              inner.layout, reported)
     r._inner = inner
     r._host = host
     r._sim_device = device
@@ -124,7 +152,7 @@ def wrap_fresh(inner: torch.Tensor, shape: Any, stride: Any, dtype: torch.dtype,
     """``SimTensor(inner, device, None, block)`` of a fresh allocation (``inner`` of that
     layout, at its block's start), its metadata known (reading it is three calls into
     torch)."""
-    r = _make_wrapper(SimTensor, shape, strides=stride, dtype=dtype, device=device)
+    r = _make(SimTensor, shape, stride, 0, dtype, _STRIDED, device)
     r._inner = inner
     r._host = None
     r._sim_device = device
