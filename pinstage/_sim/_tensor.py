@@ -107,7 +107,7 @@ class _Probe(torch.Tensor):
                            kwargs: Any = None) -> Any:
         return NotImplemented
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
 
 def _positional() -> bool:
@@ -124,11 +124,11 @@ def _positional() -> bool:
 
 
 if _positional():
-    def _make(cls: Any, size: Any, strides: Any, offset: int, dtype: torch.dtype,
+    def _make(cls: Any, size: Any, strides: Any, offset: Any, dtype: torch.dtype,
               layout: Any, device: torch.device) -> Any:
         return _make_wrapper(cls, size, strides, offset, None, dtype, layout, device)
 else:
-    def _make(cls: Any, size: Any, strides: Any, offset: int, dtype: torch.dtype,
+    def _make(cls: Any, size: Any, strides: Any, offset: Any, dtype: torch.dtype,
               layout: Any, device: torch.device) -> Any:
         return _make_wrapper(cls, size, strides=strides, storage_offset=offset, dtype=dtype,
                              layout=layout, device=device)
