@@ -28,7 +28,8 @@ from ._core import _ACTIVE, SimState
 from ._hazards import HostRead, poison_, span
 from ._races import entry as _entry
 from ._races import schema_writes
-from ._sched import Op, in_kernel
+from ._sched import Op
+from ._sched import _tls as _sched_tls
 from ._tensor import (
     _DEV,
     _HANDLERS,
@@ -490,20 +491,28 @@ class _Lane:
         if sim is None or sim.mode == "random":
             return NO_LANE
         sched = sim.sched
-        if sched.closed or sched.bad_fork or _entry.learn is not None or in_kernel():
-            return NO_LANE
+        tls = _sched_tls
+        if sched.closed or sched.bad_fork or _entry.learn is not None or tls.running:
+            return NO_LANE  # (tls.running: in a kernel's body)
         index = self.index
-        stream = sched.current_stream(index)
+        # (sched.current_stream(index): the index is one of its devices')
+        stream = tls.stream.get((id(sched), index)) or sched._defaults[index]
         if stream.capture is not None:
             return NO_LANE
+        sched.used = True
         written = self.written
         if written:
             with _NO_SUBCLASS_TF():  # (a SimTensor's method goes to its __torch_function__)
                 for j in written:
                     if args[j].is_inference():
                         return NO_LANE
-        ia = tuple([a._inner if type(a) is SimTensor else a for a in args])
-        reads = [a._inner for a in args if type(a) is SimTensor]
+        ia = []
+        reads = []
+        for a in args:
+            if type(a) is SimTensor:
+                a = a._inner
+                reads.append(a)
+            ia.append(a)
         call = self.call
         with sched.lock:
             if self.ret < 0:

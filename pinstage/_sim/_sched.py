@@ -629,7 +629,10 @@ class Scheduler:
         if races.enabled:
             races._access(stream, seq, what, reads, writes, None, True)
         stats = self.stats
-        setattr(stats, count, getattr(stats, count) + 1)
+        if count == "launches":
+            stats.launches += 1
+        else:
+            setattr(stats, count, getattr(stats, count) + 1)
         stream.last = seq
         stream.t += OP_MS
         if mode == "lazy":  # (queued, to run when the host waits)

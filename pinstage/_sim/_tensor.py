@@ -818,7 +818,8 @@ class SimFunctionMode(TorchFunctionMode):
         try:
             if func in _LANE_FUNCS and not kwargs and types == _SIM_TYPES:  # (seen: a lane)
                 lane = _LANES.get(_lane_key(func, args))
-                if lane and _nothing_between():
+                if lane and not _len_tf() and _len_td() == 1 and not _autocast() and \
+                        not _functorch() and not _inference():  # (_nothing_between())
                     out = lane(args)
                     if out is not NO_LANE:
                         return out
