@@ -335,3 +335,38 @@ def test_recycled_blocks_count_in_the_running_totals_after_a_reset(monkeypatch):
     assert fast["allocation.all.allocated"] == 3 and fast["allocation.all.freed"] == 3 - 1
     assert fast["allocated_bytes.all.allocated"] == 3 * block
     assert fast["allocated_bytes.all.freed"] == 2 * block
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_queued_kernels_interrupted_or_failing_at_a_wait(error):
+    """Lazy mode: kernels queued by lanes run at the host's wait; Ctrl-C in one leaves it
+    (and those after) queued, to run at the next wait; an error retires it and the wait
+    raises it, the rest run at the next."""
+    with simulated_accelerator("lazy") as sim:
+        x = torch.arange(4.0, device="cuda")
+        y = torch.ones(4, device="cuda")
+        _twice(lambda: x + y)
+        torch.cuda.synchronize()
+        lane = _lane_of(torch.Tensor.add)
+        calls: list[int] = []
+        real = lane.into
+
+        def flaky(*args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            if len(calls) == 2:
+                raise error("stop")
+            return real(*args, **kwargs)
+
+        lane.into = flaky
+        try:
+            outs = [x + y for _ in range(3)]
+            assert sim.pending == 3
+            with pytest.raises(error):
+                torch.cuda.synchronize()
+            assert sim.pending == (2 if error is KeyboardInterrupt else 1)
+            torch.cuda.synchronize()
+            assert sim.pending == 0 and torch.cuda.current_stream().query()
+            assert len(calls) == (4 if error is KeyboardInterrupt else 3)
+            assert outs[0].tolist() == outs[2].tolist() == [1.0, 2.0, 3.0, 4.0]
+        finally:
+            lane.into = real

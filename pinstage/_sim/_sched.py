@@ -13,6 +13,7 @@ device and stream of each thread, ``enqueue``, ``host_wait``, ``synchronize``, c
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import warnings
@@ -693,6 +694,10 @@ class Scheduler:
         """Run ``stream``'s queue up to ``seq`` (and what it waits for on other streams)."""
         while stream.done < seq and stream.queue:
             op = stream.queue[0]
+            if op.plain and not op.deps and not op.reads and not op.host_writes and \
+                    op.fn is not None and not _tls.running:
+                self._run_kernels(stream, seq)
+                continue
             for dep_stream, dep_seq in op.deps:
                 if dep_stream.done < dep_seq:
                     self.run_until(dep_stream, dep_seq)
@@ -706,6 +711,29 @@ class Scheduler:
                     stream.done = (stream.queue.popleft(), op.seq)[1]
                     raise
                 stream.done = (stream.queue.popleft(), op.seq)[1]
+
+    def _run_kernels(self, stream: SimStream, seq: int) -> None:
+        """:meth:`run_until` of the plain kernels at the head of ``stream``'s queue (no host
+        reads or writes, no dependencies: what :meth:`_run_op` would do for each, its torch
+        modes turned off once for them all)."""
+        queue = stream.queue
+        _tls.running = True
+        try:
+            with torch._C.DisableTorchFunction(), \
+                    _NO_DISPATCH() if _dispatch_modes() else contextlib.nullcontext():
+                while stream.done < seq and queue:
+                    op = queue[0]
+                    fn = op.fn
+                    if not op.plain or op.deps or op.reads or op.host_writes or fn is None:
+                        return
+                    try:
+                        fn(_NO_READS)
+                    except Exception:  # (retired, as in run_until; interrupted: still queued)
+                        stream.done = (queue.popleft(), op.seq)[1]
+                        raise
+                    stream.done = (queue.popleft(), op.seq)[1]
+        finally:
+            _tls.running = False
 
     def _run_inline(self, op: Op) -> None:
         """An op queued by a kernel's body while it runs: part of that kernel (its accesses
