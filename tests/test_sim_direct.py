@@ -212,13 +212,15 @@ def _assignments(device: str) -> list[object]:
                          (torch.float32, True), (torch.bfloat16, -1e39), (torch.uint8, -1),
                          (torch.int64, 2**70), (torch.float32, 4), (torch.int8, 200),
                          (torch.int32, -7), (torch.float16, 65504.0), (torch.float16, 7e4),
-                         (torch.float64, 2.5), (torch.bool, 3)):
+                         (torch.float64, 2.5), (torch.bool, 3), (torch.float32, 1e40),
+                         (torch.float32, -1e40), (torch.int32, 2**40), (torch.float32, 2**70)):
         x = torch.zeros(4, dtype=dtype, device=device)
-        try:  # (as torch's binding: a tensor of x's dtype, no overflow check for floats)
+        try:  # (as torch's binding: a tensor of x's dtype, overflow refused but for float16
+            # and bfloat16, which make it inf; an int past int64 refused by its parser)
             x[1:3] = value
             out.append(x.cpu().tolist())
         except (RuntimeError, ValueError) as exc:
-            out.append((type(exc).__name__, x.cpu().tolist()))
+            out.append((type(exc).__name__, str(exc), x.cpu().tolist()))
     host = torch.zeros(4)
     host[1:3] = torch.ones(2, device=device)  # (a host tensor's slice, from the device)
     out.append(host.tolist())

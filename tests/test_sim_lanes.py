@@ -113,8 +113,10 @@ def _run(steps: list[tuple[Any, ...]], mode: str, seed: int) -> dict[str, Any]:
 
 
 def _general(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every call on the general path: no lanes, no recycled block."""
+    """Every call on the general path: no lanes, no basic assignment's fill queued directly,
+    no recycled block."""
     monkeypatch.setattr(_tensor, "_lane_key", lambda func, args: None)
+    monkeypatch.setattr(_tensor, "_fill_basic", lambda self, idx, value: False)
     monkeypatch.setattr(_alloc.Allocator, "_recycle", lambda self, size, stream, req: None)
 
 
@@ -160,20 +162,22 @@ def _twice(fn: Callable[[], Any]) -> Any:
 
 
 def test_each_common_call_gets_a_lane():
-    """``x + y``, ``x.add_(0.5)``, ``z.copy_(y)``, ``x[idx]`` and ``x[1:3] = 2.0`` each get
-    a lane the first time (a float argument too: torch's parser passes it on as a new
-    object of the same value)."""
+    """``x + y``, ``x.add_(0.5)``, ``z.copy_(y)``, ``x[idx]`` each get a lane the first time
+    (a float argument too: torch's parser passes it on as a new object of the same value);
+    ``x[1:3] = 2.0`` needs none (its fill is queued directly)."""
     with simulated_accelerator("eager"):
         x = torch.arange(6.0, device="cuda")
         y = torch.ones(6, device="cuda")
         z = torch.empty(6, device="cuda")
         idx = torch.tensor([0, 2, 5], device="cuda")
         _tensor.forget_lanes()
-        for fn in (lambda: x + y, lambda: x.add_(0.5), lambda: z.copy_(y), lambda: x[idx],
-                   lambda: x.__setitem__(slice(1, 3), 2.0)):
+        for fn in (lambda: x + y, lambda: x.add_(0.5), lambda: z.copy_(y), lambda: x[idx]):
             before = _lanes_made()
             _twice(fn)
             assert _lanes_made() == before + 1
+        before = _lanes_made()
+        _twice(lambda: x.__setitem__(slice(1, 3), 2.0))
+        assert _lanes_made() == before
         assert x.tolist() == [1.0, 2.0, 2.0, 4.0, 5.0, 6.0]  # (0..5, +0.5 twice, [1:3] = 2)
         assert x[idx].tolist() == [1.0, 2.0, 6.0]
         assert z.tolist() == [1.0] * 6
@@ -269,7 +273,10 @@ def test_a_recycled_block_keeps_the_cache_trim():
 
 
 def _lane_of(func: Any) -> Any:
-    return next(v for k, v in _tensor._LANES.items() if k[0] is func and v)
+    """The one lane of ``func`` (the caller forgot the others first)."""
+    lanes = [v for k, v in _tensor._LANES.items() if k[0] is func and v]
+    assert len(lanes) == 1
+    return lanes[0]
 
 
 @pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
@@ -279,6 +286,7 @@ def test_a_lane_interrupted_or_failing_in_its_kernel(error):
     with simulated_accelerator("eager") as sim:
         x = torch.arange(4.0, device="cuda")
         y = torch.ones(4, device="cuda")
+        _tensor.forget_lanes()
         _twice(lambda: x + y)
         lane = _lane_of(torch.Tensor.add)
         calls: list[int] = []
@@ -345,6 +353,7 @@ def test_queued_kernels_interrupted_or_failing_at_a_wait(error):
     with simulated_accelerator("lazy") as sim:
         x = torch.arange(4.0, device="cuda")
         y = torch.ones(4, device="cuda")
+        _tensor.forget_lanes()
         _twice(lambda: x + y)
         torch.cuda.synchronize()
         lane = _lane_of(torch.Tensor.add)
@@ -370,3 +379,27 @@ def test_queued_kernels_interrupted_or_failing_at_a_wait(error):
             assert outs[0].tolist() == outs[2].tolist() == [1.0, 2.0, 3.0, 4.0]
         finally:
             lane.into = real
+
+
+def _overlapping_assignment(device: str) -> list[str]:
+    out = []
+    for dtype in (torch.float32, torch.float16):  # (1e40: float32 refuses it, float16 inf)
+        x = torch.ones(1, dtype=dtype, device=device).expand(4)
+        for value in (2.0, 1e40, torch.zeros(2, dtype=dtype, device=device)):
+            try:
+                x[0:2] = value
+                out.append("assigned")
+            except RuntimeError as exc:
+                out.append(str(exc))
+        x[0:1] = 3.0  # (one element: no two in one place)
+        out.append(str(x.tolist()))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy", "random"])
+def test_an_assignment_into_an_expanded_tensor_raises_at_the_call(mode):
+    """An assignment into elements that share memory raises torch's error where it is made
+    (not at a later wait), as on CPU; into one element of them it is made."""
+    expected = _overlapping_assignment("cpu")
+    with simulated_accelerator(mode):
+        assert _overlapping_assignment("cuda") == expected

@@ -641,8 +641,7 @@ class Scheduler:
             op.stream, op.seq = stream, seq
             queue.append(op)
             return
-        _tls.running = True
-        try:
+        try:  # (no _tls.running: a lane's kernel is torch's own op on host tensors, modes off)
             if _dispatch_modes():
                 with _NO_DISPATCH():
                     fn(_NO_READS)
@@ -656,8 +655,6 @@ class Scheduler:
             op.stream, op.seq = stream, seq
             stream.queue.append(op)
             raise
-        finally:
-            _tls.running = False
         stream.done = seq
 
     def maybe_progress(self) -> None:

@@ -1145,26 +1145,80 @@ def _setitem(self: Any, idx: Any, value: Any) -> None:
         if inference:
             raise RuntimeError(_INFERENCE_INPLACE)
     if type(value) in _NUMBERS:
-        view = _getitem(self, idx)
         dtype = self._inner.dtype
+        if _in_range(value, dtype) and _fill_basic(self, idx, value):
+            _bump_version([self])
+            return
+        view = _getitem(self, idx)
         if _in_range(value, dtype):  # (then fill_ of the number is the same, cheaper)
+            _no_overlap(view._inner)
             _direct_function(_T.fill_, (view, value), {})
         else:
             # (torch's binding makes the number a CPU tensor of the target's dtype, as its
-            # valueToTensor does, with no overflow check for floats, unlike fill_ of a
-            # number; then at::indexing::copy_to: fill_ from it, copy_ into a 0-dim view)
+            # valueToTensor does: scalar_tensor, which refuses what overflows the dtype
+            # (float32, integers) and makes inf of it for float16 and bfloat16; then
+            # at::indexing::copy_to: fill_ from it, copy_ into a 0-dim view)
+            if type(value) is int and not -2**63 <= value < 2**63:  # (torch's parser's)
+                raise ValueError("Overflow when unpacking long long")
             with _NO_DISPATCH(), torch._C.DisableTorchFunction():
-                v = torch.tensor(value, dtype=dtype)
+                v = torch.scalar_tensor(value, dtype=dtype)
+            _no_overlap(view._inner)
             if view._inner.dim():
                 _direct_function(_T.fill_, (view, v), {})
             else:
                 _torch_function(_T.copy_, (view, v), {})
         _bump_version([self])
     elif type(value) is SimTensor:
-        _torch_function(_T.copy_, (_getitem(self, idx), value), {})
+        view = _getitem(self, idx)
+        _no_overlap(view._inner)
+        _torch_function(_T.copy_, (view, value), {})
         _bump_version([self])
     else:
         _torch_function(_T.__setitem__, (self, idx, value), {})
+
+
+def _fill_basic(self: Any, idx: Any, value: Any) -> bool:
+    """``self[idx] = value`` (basic indexing, a number ``fill_`` takes as torch's assignment
+    does) queued as the fill_ of that view its lane would queue, without making the view a
+    simulated tensor: ``False`` where that lane would not run (see ``_ops._Lane``)."""
+    sim = current()
+    if sim is None or sim.mode == "random" or self._host is not None or \
+            type(self) is not SimTensor:
+        return False
+    sched = sim.sched
+    if sched.closed or sched.bad_fork or _race_entry.learn is not None or in_kernel():
+        return False
+    device = self._sim_device
+    stream = sched.current_stream(device.index or 0)
+    if stream.capture is not None:
+        return False
+    with _NO_DISPATCH():
+        view = self._inner[idx]
+    _no_overlap(view)
+    label = _FILL_LABELS.get(device)
+    if label is None:
+        label = _FILL_LABELS[device] = f"fill_ on {device}"
+
+    def run(_: list[torch.Tensor]) -> None:
+        view.fill_(value)
+
+    with sched.lock:
+        sched.kernel(stream, label, run, "fill_", [view], [view])
+    return True
+
+
+_FILL_LABELS: dict[torch.device, str] = {}
+_internal_overlap = torch._debug_has_internal_overlap  # (1: yes, 0: no, 2: too hard to tell)
+
+
+def _no_overlap(view: torch.Tensor) -> None:
+    """torch's check of an assignment's target (its copy_ into the view): no two of its
+    elements in one place (an expanded tensor's)."""
+    if _internal_overlap(view) == 1:
+        raise RuntimeError(
+            "unsupported operation: more than one element of the written-to tensor refers to "
+            "a single memory location. Please clone() the tensor before performing the "
+            "operation.")
 
 
 _INFERENCE_INPLACE = (  # (torch's words)
@@ -1192,7 +1246,8 @@ def _in_range(value: Any, dtype: torch.dtype) -> bool:
             known = (0, 0, ())
         _RANGES[dtype] = known
     lo, hi, kinds = known
-    return type(value) is bool or (type(value) in kinds and lo <= value <= hi)
+    return type(value) is bool or (type(value) in kinds and lo <= value <= hi and (
+        type(value) is not int or -2**63 <= value < 2**63))  # (past int64: torch's parser's)
 
 
 _BASIC_INDEXING: dict[Any, Callable[..., Any]] = {_T.__getitem__: _getitem,
