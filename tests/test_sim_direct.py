@@ -312,3 +312,61 @@ def test_assignments_bump_versions_and_respect_inference_tensors(mode):
     on an inference tensor outside inference mode each raises torch's error; assigning into
     a normal tensor in inference mode works: as on CPU."""
     _as_on_cpu(_assignments_and_inference, mode)
+
+
+def _assignment_errors(device: str) -> list[object]:
+    """Assignments that fail, each for one reason or several: the error torch raises first
+    (the value's conversion, then the indexing, then the inference tensor)."""
+    out: list[object] = []
+    x = torch.zeros(4, device=device)
+    with torch.inference_mode():
+        t = torch.zeros(4, device=device)
+    for target in (x, t):
+        for idx, value in ((10, 1e40), (slice(None, None, -1), 1e40), (10, 1.0),
+                           (slice(None, None, -1), 1.0), (0, 1e40), (0, 1.0), (10, True)):
+            try:
+                target[idx] = value
+                out.append("assigned")
+            except (RuntimeError, IndexError, ValueError) as exc:
+                out.append((type(exc).__name__, str(exc)))
+    out.append(x.tolist())
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_failing_assignments_raise_torchs_first_error(mode):
+    """An assignment with a bad index, a value that overflows, into an inference tensor
+    (or several of these) raises the error torch raises first, as on CPU."""
+    _as_on_cpu(_assignment_errors, mode)
+
+
+def _views(device: str) -> list[object]:
+    """View bindings called again and again: each result a view of its base (``_base``,
+    the base's version counter moved by a write through the view)."""
+    out: list[object] = []
+    for _ in range(CALLS):
+        b = torch.zeros(600, device=device)
+        for view in (lambda t: t.select(0, 300), lambda t: t.select(0, 3),
+                     lambda t: t.unsqueeze(0), lambda t: t.expand(2, 600),
+                     lambda t: t.narrow(0, 1, 2), lambda t: t.as_strided((2,), (3,), 7)):
+            v = view(b)
+            before = b._version
+            if not v._is_view() or v._base is not b:
+                out.append(("not a view", v._is_view()))
+            v2 = view(b)
+            (v2 if v2.dim() == 0 or v2.stride(0) != 0 else v2.select(0, 0)).add_(1)
+            out.append((v._base is b, b._version - before))
+        m = torch.zeros(3, 4, device=device)
+        for view in (lambda t: t.t(), lambda t: t.transpose(0, 1), lambda t: t.permute(1, 0)):
+            v = view(m)
+            before = m._version
+            v.mul_(2)
+            out.append((v._base is m, m._version - before))
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_view_bindings_give_views_of_their_base_every_call(mode):
+    """A view op's result is a view of its base on every call, not only the first (the
+    direct path never takes a view op: torch's ADInplaceOrView kernel makes the view)."""
+    _as_on_cpu(_views, mode)

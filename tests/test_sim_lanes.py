@@ -116,7 +116,7 @@ def _general(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every call on the general path: no lanes, no basic assignment's fill queued directly,
     no recycled block."""
     monkeypatch.setattr(_tensor, "_lane_key", lambda func, args: None)
-    monkeypatch.setattr(_tensor, "_fill_basic", lambda self, idx, value: False)
+    monkeypatch.setattr(_tensor, "_fill_basic", lambda self, view, value: False)
     monkeypatch.setattr(_alloc.Allocator, "_recycle", lambda self, size, stream, req: None)
 
 
@@ -403,3 +403,17 @@ def test_an_assignment_into_an_expanded_tensor_raises_at_the_call(mode):
     expected = _overlapping_assignment("cpu")
     with simulated_accelerator(mode):
         assert _overlapping_assignment("cuda") == expected
+
+
+def test_a_lane_of_an_earlier_simulator_with_more_devices_is_not_taken():
+    """A tensor of cuda:1 kept from a 2-device simulator, used in a 1-device one: CUDA's
+    invalid-ordinal error, as on the general path (its lane was of the earlier one)."""
+    with simulated_accelerator("eager", device_count=2):
+        a = torch.ones(4, device="cuda:1")
+        for _ in range(3):
+            a + a
+            a.add_(1)
+    with simulated_accelerator("eager", device_count=1):
+        for op in (lambda: a + a, lambda: a.add_(1)):
+            with pytest.raises(RuntimeError, match="invalid device ordinal"):
+                op()

@@ -890,6 +890,18 @@ def _restrided(device: str) -> list[object]:
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_restriding_past_a_tensors_memory_is_refused(mode):
+    """resize_(its shape, memory_format=...) of an expanded tensor needs more memory than
+    it has (torch grows the storage): refused as a resize to another storage, not torch's
+    internal setStorage error."""
+    with simulated_accelerator(mode):
+        e = torch.ones(1, 3, device="cuda").expand(2, 3)
+        with pytest.raises(NotImplementedError, match="another shape or storage"):
+            e.resize_(2, 3, memory_format=torch.contiguous_format)
+        assert e.stride() == (0, 1) and e.tolist() == [[1.0] * 3] * 2
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_resizing_to_its_own_shape_in_another_memory_format_restrides(mode):
     """resize_(its shape, memory_format=channels_last) gives channels-last strides (and
     later ops see them), without memory_format keeps them, preserve_format is torch's error,

@@ -495,7 +495,9 @@ class _Lane:
         if sched.closed or sched.bad_fork or _entry.learn is not None or tls.running:
             return NO_LANE  # (tls.running: in a kernel's body)
         index = self.index
-        # (sched.current_stream(index): the index is one of its devices')
+        if index >= sched.device_count:  # (a lane of an earlier simulator's: its error)
+            return NO_LANE
+        # (sched.current_stream(index), the index one of its devices)
         stream = tls.stream.get((id(sched), index)) or sched._defaults[index]
         if stream.capture is not None:
             return NO_LANE
@@ -817,6 +819,15 @@ def _inplace_view(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -
     return self
 
 
+def _fits(t: torch.Tensor, meta: torch.Tensor) -> bool:
+    """Whether ``meta``'s layout, at ``t``'s offset, lies in ``t``'s storage (torch grows a
+    tensor's storage for a resize that needs more: an expanded tensor's). For a simulated
+    tensor, both its host tensor's and its own (the wrapper's) must hold it."""
+    n = 1 + sum((d - 1) * st for d, st in zip(meta.shape, meta.stride())) \
+        if meta.numel() else 0
+    return (t.storage_offset() + n) * t.element_size() <= t.untyped_storage().nbytes()
+
+
 def _resize(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     """``resize_``/``resize_as_`` to the shape a simulated tensor has changes at most its
     strides (a ``memory_format=``), at once, as :func:`_inplace_view` does; to another shape,
@@ -830,7 +841,7 @@ def _resize(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         rest, spec = _flatten(args[1:], kwargs)
         ma, mk = _unflatten([_meta(x) for x in rest], spec)
         func(meta, *ma, **mk)
-        if meta.shape == self.shape:
+        if meta.shape == self.shape and _fits(self._inner, meta) and _fits(self, meta):
             if meta.stride() != self.stride():
                 _inplace_view(sim, aten.as_strided_.default,
                               (self, meta.shape, meta.stride(), self.storage_offset()), {})

@@ -1136,51 +1136,48 @@ _NUMBERS = (int, float, bool)
 
 def _setitem(self: Any, idx: Any, value: Any) -> None:
     """``t[idx] = value`` by basic indexing (outside inference mode), of a number or a
-    simulated tensor: a fill or a copy into that view, queued as torch's binding queues it.
-    The view is made here, not by torch's view ops, so it keeps no version counter shared
-    with ``t``: ``t``'s is bumped here, as torch's shared one is."""
-    if type(value) in _NUMBERS or type(value) is SimTensor:
-        with _NO_SUBCLASS_TF():  # (a SimTensor's method goes to its __torch_function__)
-            inference = self.is_inference()
-        if inference:
-            raise RuntimeError(_INFERENCE_INPLACE)
-    if type(value) in _NUMBERS:
-        dtype = self._inner.dtype
-        if _in_range(value, dtype) and _fill_basic(self, idx, value):
-            _bump_version([self])
-            return
-        view = _getitem(self, idx)
-        if _in_range(value, dtype):  # (then fill_ of the number is the same, cheaper)
-            _no_overlap(view._inner)
-            _direct_function(_T.fill_, (view, value), {})
-        else:
-            # (torch's binding makes the number a CPU tensor of the target's dtype, as its
-            # valueToTensor does: scalar_tensor, which refuses what overflows the dtype
-            # (float32, integers) and makes inf of it for float16 and bfloat16; then
-            # at::indexing::copy_to: fill_ from it, copy_ into a 0-dim view)
-            if type(value) is int and not -2**63 <= value < 2**63:  # (torch's parser's)
-                raise ValueError("Overflow when unpacking long long")
-            with _NO_DISPATCH(), torch._C.DisableTorchFunction():
-                v = torch.scalar_tensor(value, dtype=dtype)
-            _no_overlap(view._inner)
-            if view._inner.dim():
-                _direct_function(_T.fill_, (view, v), {})
-            else:
-                _torch_function(_T.copy_, (view, v), {})
-        _bump_version([self])
-    elif type(value) is SimTensor:
-        view = _getitem(self, idx)
-        _no_overlap(view._inner)
-        _torch_function(_T.copy_, (view, value), {})
-        _bump_version([self])
-    else:
+    simulated tensor: a fill or a copy into that view, queued as torch's binding queues it,
+    its checks in torch's order (the number's conversion, the indexing, the inference
+    tensor, elements in one place). The view is made here, not by torch's view ops, so it
+    keeps no version counter shared with ``t``: ``t``'s is bumped here, as torch's is."""
+    number = type(value) in _NUMBERS
+    if not number and type(value) is not SimTensor:
         _torch_function(_T.__setitem__, (self, idx, value), {})
+        return
+    dtype = self._inner.dtype
+    fill = number and _in_range(value, dtype)  # (then fill_ of the number is the same)
+    if number and not fill:
+        # (torch's binding makes the number a CPU tensor of the target's dtype, as its
+        # valueToTensor does: scalar_tensor, which refuses what overflows the dtype (float32,
+        # integers) and makes inf of it for float16 and bfloat16; then at::indexing::copy_to:
+        # fill_ from it, copy_ into a 0-dim view)
+        if type(value) is int and not -2**63 <= value < 2**63:  # (torch's parser's)
+            raise ValueError("Overflow when unpacking long long")
+        with _NO_DISPATCH(), torch._C.DisableTorchFunction():
+            value = torch.scalar_tensor(value, dtype=dtype)
+    with _NO_DISPATCH():  # (host tensors only: the simulator's dispatch mode need not see it)
+        target = self._inner[idx]
+    with _NO_SUBCLASS_TF():  # (a SimTensor's method goes to its __torch_function__)
+        inference = self.is_inference()
+    if inference:
+        raise RuntimeError(_INFERENCE_INPLACE)
+    _no_overlap(target)
+    if fill and _fill_basic(self, target, value):
+        _bump_version([self])
+        return
+    view = SimTensor(target, self._sim_device, self._host, self._block)
+    if fill or (number and target.dim()):
+        _direct_function(_T.fill_, (view, value), {})
+    else:
+        _torch_function(_T.copy_, (view, value), {})
+    _bump_version([self])
 
 
-def _fill_basic(self: Any, idx: Any, value: Any) -> bool:
-    """``self[idx] = value`` (basic indexing, a number ``fill_`` takes as torch's assignment
-    does) queued as the fill_ of that view its lane would queue, without making the view a
-    simulated tensor: ``False`` where that lane would not run (see ``_ops._Lane``)."""
+def _fill_basic(self: Any, view: torch.Tensor, value: Any) -> bool:
+    """``self[idx] = value`` (basic indexing: ``view`` is ``self._inner[idx]``; a number
+    ``fill_`` takes as torch's assignment does) queued as the fill_ of that view its lane
+    would queue, without making the view a simulated tensor: ``False`` where that lane
+    would not run (see ``_ops._Lane``)."""
     sim = current()
     if sim is None or sim.mode == "random" or self._host is not None or \
             type(self) is not SimTensor:
@@ -1192,9 +1189,6 @@ def _fill_basic(self: Any, idx: Any, value: Any) -> bool:
     stream = sched.current_stream(device.index or 0)
     if stream.capture is not None:
         return False
-    with _NO_DISPATCH():
-        view = self._inner[idx]
-    _no_overlap(view)
     label = _FILL_LABELS.get(device)
     if label is None:
         label = _FILL_LABELS[device] = f"fill_ on {device}"
@@ -1273,10 +1267,12 @@ def _learn(key: Any, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
                     out is res or (type(out) is type(res) and type(out) in (tuple, list) and
                                    len(out) == len(res) and
                                    all(x is y for x, y in zip(out, res)))) and \
-                op.overloadpacket.__name__ == getattr(func, "__name__", None):
+                op.overloadpacket.__name__ == getattr(func, "__name__", None) and \
+                not op.is_view:
             # (the binding's own op: another one was a decomposition, narrow -> slice, matmul
             # -> mm or dot, chosen by the arguments' values, shapes or dtypes, which the
-            # learned key does not hold)
+            # learned key does not hold; not a view op: torch's ADInplaceOrView kernel makes
+            # its result a view of its base, _base and version counter shared)
             direct = (op, schema_writes(op))
     if len(_DIRECT) > 4096:
         _DIRECT.clear()
