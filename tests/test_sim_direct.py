@@ -370,3 +370,25 @@ def test_view_bindings_give_views_of_their_base_every_call(mode):
     """A view op's result is a view of its base on every call, not only the first (the
     direct path never takes a view op: torch's ADInplaceOrView kernel makes the view)."""
     _as_on_cpu(_views, mode)
+
+
+def _view_calls(device: str) -> list[object]:
+    out: list[object] = []
+    for _ in range(CALLS):
+        x = torch.arange(6.0, device=device)
+        for view in (lambda t: t.view(2, 3), lambda t: t.view(-1), lambda t: t.view((3, 2)),
+                     lambda t: t.view(torch.int32), lambda t: t.view(torch.uint8),
+                     lambda t: t.view_as(torch.empty(3, 2))):
+            v = view(x)
+            before = x._version
+            v.add_(1) if v.dtype.is_floating_point else v.fill_(0)
+            out.append((tuple(v.shape), v.dtype, v._base is x, x._version - before))
+        out.append(x.tolist())
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_view_gives_a_view_of_its_base(mode):
+    """``x.view(shape)`` and ``x.view(dtype)`` are views of ``x`` (``_base``, a write through
+    them moves ``x``'s version counter), with their values, as on CPU."""
+    _as_on_cpu(_view_calls, mode)

@@ -634,7 +634,7 @@ _VIA_PROXY = {
     getattr(_T, "cfloat", _T.float), getattr(_T, "cdouble", _T.double), _T.index_put_,
     _T.index_put, _T.masked_fill_, _T.put_, _T.index_fill_,
     _T.nonzero, _T.new_zeros, _T.new_ones, _T.new_empty, _T.new_full, _T.__len__,
-    _T.element_size, _T.apply_, _T.map_, _T.set_, _T.view,
+    _T.element_size, _T.apply_, _T.map_, _T.set_,
 }
 
 
