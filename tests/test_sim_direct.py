@@ -392,3 +392,24 @@ def test_view_gives_a_view_of_its_base(mode):
     """``x.view(shape)`` and ``x.view(dtype)`` are views of ``x`` (``_base``, a write through
     them moves ``x``'s version counter), with their values, as on CPU."""
     _as_on_cpu(_view_calls, mode)
+
+
+def _inference_views(device: str) -> list[object]:
+    out: list[object] = []
+    with torch.inference_mode():
+        t = torch.zeros(4, 2, device=device)
+        made_inside = t.t()
+    x = torch.zeros(4, 2, device=device)
+    for _ in range(CALLS):
+        for v in (t.t(), t.select(0, 1), t.view(8), t.unsqueeze(0), x.t(), made_inside):
+            out.append(v.is_inference())
+        with torch.inference_mode():
+            out.append((x.t().is_inference(), t.t().is_inference(), (x + 1).is_inference()))
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_view_is_an_inference_tensor_if_its_base_is(mode):
+    """Views of an inference tensor are inference tensors, in inference mode or not; views
+    of a normal one are normal; a new result in inference mode is one, as on CPU."""
+    _as_on_cpu(_inference_views, mode)

@@ -7,9 +7,10 @@ same addresses, the same ``memory_stats()``, the same counters and the same race
 
 from __future__ import annotations
 
+import contextlib
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -279,37 +280,45 @@ def _lane_of(func: Any) -> Any:
     return lanes[0]
 
 
+@contextlib.contextmanager
+def _failing_add(error: type[BaseException], nth: int) -> Iterator[Any]:
+    """(x, y, calls): ``x + y`` has a lane (in the open simulator, made and synchronized
+    here) whose kernel raises ``error`` the ``nth`` time it runs; ``calls`` counts its runs."""
+    x = torch.arange(4.0, device="cuda")
+    y = torch.ones(4, device="cuda")
+    _tensor.forget_lanes()
+    _twice(lambda: x + y)
+    torch.cuda.synchronize()
+    lane = _lane_of(torch.Tensor.add)
+    calls: list[int] = []
+    real = lane.into
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == nth:
+            raise error("stop")
+        return real(*args, **kwargs)
+
+    lane.into = flaky
+    try:
+        yield x, y, calls
+    finally:
+        lane.into = real
+
+
 @pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
 def test_a_lane_interrupted_or_failing_in_its_kernel(error):
     """Ctrl-C while a lane's kernel runs (eager) leaves it queued, to run again at the next
     wait, as the general path does; an error it raises retires it, and the stream goes on."""
-    with simulated_accelerator("eager") as sim:
-        x = torch.arange(4.0, device="cuda")
-        y = torch.ones(4, device="cuda")
-        _tensor.forget_lanes()
-        _twice(lambda: x + y)
-        lane = _lane_of(torch.Tensor.add)
-        calls: list[int] = []
-        real = lane.into
-
-        def flaky(*args: Any, **kwargs: Any) -> Any:
-            calls.append(1)
-            if len(calls) == 1:
-                raise error("stop")
-            return real(*args, **kwargs)
-
-        lane.into = flaky
-        try:
-            with pytest.raises(error):
-                x + y
-            assert sim.pending == (1 if error is KeyboardInterrupt else 0)
-            torch.cuda.synchronize()
-            assert sim.pending == 0
-            assert torch.cuda.current_stream().query()  # (all it was given has run)
-            assert len(calls) == (2 if error is KeyboardInterrupt else 1)
-            assert (x + y).tolist() == [1.0, 2.0, 3.0, 4.0]
-        finally:
-            lane.into = real
+    with simulated_accelerator("eager") as sim, _failing_add(error, 1) as (x, y, calls):
+        with pytest.raises(error):
+            x + y
+        assert sim.pending == (1 if error is KeyboardInterrupt else 0)
+        torch.cuda.synchronize()
+        assert sim.pending == 0
+        assert torch.cuda.current_stream().query()  # (all it was given has run)
+        assert len(calls) == (2 if error is KeyboardInterrupt else 1)
+        assert (x + y).tolist() == [1.0, 2.0, 3.0, 4.0]
 
 
 def _totals_after_reset() -> dict[str, int]:
@@ -350,35 +359,16 @@ def test_queued_kernels_interrupted_or_failing_at_a_wait(error):
     """Lazy mode: kernels queued by lanes run at the host's wait; Ctrl-C in one leaves it
     (and those after) queued, to run at the next wait; an error retires it and the wait
     raises it, the rest run at the next."""
-    with simulated_accelerator("lazy") as sim:
-        x = torch.arange(4.0, device="cuda")
-        y = torch.ones(4, device="cuda")
-        _tensor.forget_lanes()
-        _twice(lambda: x + y)
-        torch.cuda.synchronize()
-        lane = _lane_of(torch.Tensor.add)
-        calls: list[int] = []
-        real = lane.into
-
-        def flaky(*args: Any, **kwargs: Any) -> Any:
-            calls.append(1)
-            if len(calls) == 2:
-                raise error("stop")
-            return real(*args, **kwargs)
-
-        lane.into = flaky
-        try:
-            outs = [x + y for _ in range(3)]
-            assert sim.pending == 3
-            with pytest.raises(error):
-                torch.cuda.synchronize()
-            assert sim.pending == (2 if error is KeyboardInterrupt else 1)
+    with simulated_accelerator("lazy") as sim, _failing_add(error, 2) as (x, y, calls):
+        outs = [x + y for _ in range(3)]
+        assert sim.pending == 3
+        with pytest.raises(error):
             torch.cuda.synchronize()
-            assert sim.pending == 0 and torch.cuda.current_stream().query()
-            assert len(calls) == (4 if error is KeyboardInterrupt else 3)
-            assert outs[0].tolist() == outs[2].tolist() == [1.0, 2.0, 3.0, 4.0]
-        finally:
-            lane.into = real
+        assert sim.pending == (2 if error is KeyboardInterrupt else 1)
+        torch.cuda.synchronize()
+        assert sim.pending == 0 and torch.cuda.current_stream().query()
+        assert len(calls) == (4 if error is KeyboardInterrupt else 3)
+        assert outs[0].tolist() == outs[2].tolist() == [1.0, 2.0, 3.0, 4.0]
 
 
 def _overlapping_assignment(device: str) -> list[str]:

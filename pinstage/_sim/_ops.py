@@ -29,7 +29,6 @@ from ._hazards import HostRead, poison_, span
 from ._races import entry as _entry
 from ._races import schema_writes
 from ._sched import Op
-from ._sched import _tls as _sched_tls
 from ._tensor import (
     _DEV,
     _HANDLERS,
@@ -42,6 +41,7 @@ from ._tensor import (
     is_device,
     keep_lane,
     layout_id,
+    like_inference,
     like_strides,
     map_out,
     register_default,
@@ -64,15 +64,9 @@ def _view(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     a, k = _unflatten([x._inner if isinstance(x, _DEV) else x for x in flat], spec)
     out = func(*a, **k)
     host, block = base._host, base._block
-    if torch.is_inference_mode_enabled():
-        with _NO_SUBCLASS_TF():
-            normal = not base.is_inference()
-        if normal:  # (a view of a normal tensor is a normal tensor, in inference mode too:
-            with torch.inference_mode(False):  # torch's view keeps its base's version counter)
-                return map_out(lambda t: wrap(t, device, host, proxy, block)
-                               if isinstance(t, torch.Tensor) else t, out)
-    return map_out(lambda t: wrap(t, device, host, proxy, block)
-                   if isinstance(t, torch.Tensor) else t, out)
+    with like_inference(base):  # (a view is an inference tensor if and only if its base is)
+        return map_out(lambda t: wrap(t, device, host, proxy, block)
+                       if isinstance(t, torch.Tensor) else t, out)
 
 
 def _meta(x: Any) -> Any:
@@ -425,7 +419,7 @@ def _deferred(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> An
             call is not func and key is not None and (spec is _SIMPLE or (
                 lane[3] is not None and not plan.writes)) and not uva and not proxy and \
             seed is None and isinstance(meta_out, torch.Tensor):
-        _offer_lane(lane[0], sim, plan, flat, device, label, lane[3] or call,
+        _offer_lane(lane[0], plan, flat, device, label, lane[3] or call,
                     into if fresh else None, meta_out, fresh, result)
     sim.sched.enqueue(stream,
                       Op(label, run, reads, host_writes=host_writes, acc=(name, dev_reads, writes),
@@ -433,8 +427,7 @@ def _deferred(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> An
     return result
 
 
-def _offer_lane(lane_key: Any, sim: SimState, plan: _Plan, args: list[Any],
-                device: torch.device,
+def _offer_lane(lane_key: Any, plan: _Plan, args: list[Any], device: torch.device,
                 label: str, call: Any, into: Any, meta_out: torch.Tensor,
                 fresh: list[tuple[int, torch.Tensor]], result: Any) -> None:
     """Keep what :func:`_deferred` worked out for this call of the direct path (one aten op
@@ -488,20 +481,13 @@ class _Lane:
 
     def __call__(self, args: Any) -> Any:
         sim = _ACTIVE[-1] if _ACTIVE else None  # (current())
-        if sim is None or sim.mode == "random":
+        if sim is None:
             return NO_LANE
         sched = sim.sched
-        tls = _sched_tls
-        if sched.closed or sched.bad_fork or _entry.learn is not None or tls.running:
-            return NO_LANE  # (tls.running: in a kernel's body)
         index = self.index
-        if index >= sched.device_count:  # (a lane of an earlier simulator's: its error)
+        stream = sched.shortcut_stream(index)
+        if stream is None:
             return NO_LANE
-        # (sched.current_stream(index), the index one of its devices)
-        stream = tls.stream.get((id(sched), index)) or sched._defaults[index]
-        if stream.capture is not None:
-            return NO_LANE
-        sched.used = True
         written = self.written
         if written:
             with _NO_SUBCLASS_TF():  # (a SimTensor's method goes to its __torch_function__)

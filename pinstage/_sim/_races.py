@@ -91,6 +91,20 @@ Access = tuple[Any, ...]
 _WHAT, _STREAM, _SID, _SEQ, _SITE, _LO, _HI, _SHAPE, _DTYPE, _OWNER, _STRIDE = range(11)
 
 
+def _unordered(prevs: list[Access], a: Access, mine: dict[int, int],
+               host: dict[int, int]) -> Access | None:
+    """The first of ``prevs`` that ``a`` races with: on another stream, sharing bytes, and
+    not ordered before ``a`` (by ``a``'s stream's clock ``mine`` or a host wait); or
+    ``None``."""
+    sid, lo, hi, st = a[_SID], a[_LO], a[_HI], a[_STRIDE]
+    for p in prevs:
+        if p[_SID] != sid and p[_LO] < hi and lo < p[_HI] and \
+                mine.get(p[_SID], 0) < p[_SEQ] and host.get(p[_SID], 0) < p[_SEQ] and \
+                ((st is None and p[_STRIDE] is None) or _overlaps(a, p)):
+            return p
+    return None
+
+
 def _describe(a: Access, verb: str) -> str:
     where = a[_SITE]
     return (f"{a[_WHAT]} on {_stream_name(a[_STREAM])} {verb} a {a[_DTYPE]} tensor of shape "
@@ -229,6 +243,16 @@ class RaceTracker:
             pass
         return known
 
+    def _known_span(self, t: torch.Tensor, trusted: bool) -> tuple[Any, ...] | None:
+        """:meth:`_span` of ``t``, ``None`` if it is empty; ``trusted`` (see :meth:`_access`):
+        a span it keeps is taken without reading its address and size again."""
+        known = getattr(t, _SPAN, None)
+        if known is None or known[4][0] is not self or not trusted and (
+                known[0] != t.data_ptr() or known[1] != t.numel()):
+            n = t.numel()
+            return self._span(t, n) if n else None
+        return known  # type: ignore[no-any-return]
+
     def _access(self, stream: Any, seq: int, what: str, reads: Any, writes: Any,
                 where: tuple[str, int] | None, trusted: bool = False) -> None:
         """:meth:`access`'s work, torch's function modes off. ``trusted``: every tensor is
@@ -240,27 +264,17 @@ class RaceTracker:
         host = self.host
         site = where if where is not None else _where()
         # first every check (nothing is recorded if one raises), then every record
-        todo: list[Any] = []  # (region, access) of each write, then None, then each read's
+        todo: list[Any] = []  # region, access of each write, then of each read, flat
         for t in writes:
-            known = getattr(t, _SPAN, None)  # (_span's answer, inline where it is known)
-            if known is None or known[4][0] is not self or not trusted and (
-                    known[0] != t.data_ptr() or known[1] != t.numel()):
-                n = t.numel()
-                if not n:
-                    continue
-                known = self._span(t, n)
+            known = self._known_span(t, trusted)
+            if known is None:
+                continue
             _, _, lo, hi, held, st, shape, dtype = known
             a: Access = (what, stream, sid, seq, site, lo, hi, shape, dtype, held[3], st)
-            for p in held[2]:  # (CSAN's order: the reads, then the writes)
-                if p[_SID] != sid and p[_LO] < hi and lo < p[_HI] and \
-                        mine.get(p[_SID], 0) < p[_SEQ] and host.get(p[_SID], 0) < p[_SEQ] and \
-                        ((st is None and p[_STRIDE] is None) or _overlaps(a, p)):
-                    raise _error("write", a, p, "reads")
-            for p in held[1]:
-                if p[_SID] != sid and p[_LO] < hi and lo < p[_HI] and \
-                        mine.get(p[_SID], 0) < p[_SEQ] and host.get(p[_SID], 0) < p[_SEQ] and \
-                        ((st is None and p[_STRIDE] is None) or _overlaps(a, p)):
-                    raise _error("write", a, p, "writes")
+            for prevs, verb in ((held[2], "reads"), (held[1], "writes")):  # (CSAN's order)
+                p = _unordered(prevs, a, mine, host)
+                if p is not None:
+                    raise _error("write", a, p, verb)
             todo.append(held)
             todo.append(a)
         nw = len(todo)
@@ -268,20 +282,14 @@ class RaceTracker:
         for t in reads:
             if t is one or (writes and one is None and any(t is w for w in writes)):
                 continue  # (read and written: the write's checks cover both)
-            known = getattr(t, _SPAN, None)
-            if known is None or known[4][0] is not self or not trusted and (
-                    known[0] != t.data_ptr() or known[1] != t.numel()):
-                n = t.numel()
-                if not n:
-                    continue
-                known = self._span(t, n)
+            known = self._known_span(t, trusted)
+            if known is None:
+                continue
             _, _, lo, hi, held, st, shape, dtype = known
             a = (what, stream, sid, seq, site, lo, hi, shape, dtype, held[3], st)
-            for p in held[1]:
-                if p[_SID] != sid and p[_LO] < hi and lo < p[_HI] and \
-                        mine.get(p[_SID], 0) < p[_SEQ] and host.get(p[_SID], 0) < p[_SEQ] and \
-                        ((st is None and p[_STRIDE] is None) or _overlaps(a, p)):
-                    raise _error("read", a, p, "writes")
+            p = _unordered(held[1], a, mine, host)
+            if p is not None:
+                raise _error("read", a, p, "writes")
             todo.append(held)
             todo.append(a)
         # all checked: record them, dropping what they cover
@@ -341,11 +349,10 @@ class RaceTracker:
         # their elements meet, as for two streams)
         a: Access = (what, None, None, 0, None, lo, hi, tuple(t.shape), t.dtype, 0, st)
         host = self.host
-        for prevs, verb in ((held[1], "writes"), (held[2] if write else (), "reads")):
-            for p in prevs:
-                if p[_LO] < hi and lo < p[_HI] and host.get(p[_SID], 0) < p[_SEQ] and \
-                        ((st is None and p[_STRIDE] is None) or _overlaps(a, p)):
-                    raise _host_error(what, t, lo, hi, write, p, verb)
+        for prevs, verb in ((held[1], "writes"), (held[2] if write else [], "reads")):
+            p = _unordered(prevs, a, _EMPTY, host)  # (no stream: only host waits order it)
+            if p is not None:
+                raise _host_error(what, t, lo, hi, write, p, verb)
 
 
 def _host_error(what: str, t: torch.Tensor, lo: int, hi: int, write: bool, prev: Access,

@@ -28,6 +28,7 @@ import torch
 from .._callsite import in_pinstage_call
 from ._hazards import HostRead
 from ._races import RaceTracker
+from ._races import entry as race_entry
 
 __all__ = ["Op", "SimStream", "SimEvent", "SimStats", "Scheduler", "MAX_QUEUED", "MODES",
            "in_kernel"]
@@ -607,6 +608,17 @@ class Scheduler:
                     self.run_until(stream, op.seq)  # (else: behind a spin kernel, queued)
             elif self.mode == "random":
                 self.maybe_progress()
+
+    def shortcut_stream(self, index: int) -> SimStream | None:
+        """The current stream of device ``index``, if a shortcut of the general path (a lane,
+        a basic assignment's fill) may queue on it now: eager or lazy mode, the simulator
+        open and not forked, not in a kernel's body nor learning a call, ``index`` one of its
+        devices, the stream not capturing; else ``None``."""
+        if self.mode == "random" or self.closed or self.bad_fork or _tls.running or \
+                race_entry.learn is not None or index >= self.device_count:
+            return None
+        stream = _tls.stream.get((id(self), index)) or self._defaults[index]
+        return None if stream.capture is not None else stream
 
     def kernel(self, stream: SimStream, label: str, fn: Callable[[list[torch.Tensor]], Any],
                what: str, reads: list[torch.Tensor], writes: list[torch.Tensor],

@@ -16,6 +16,7 @@ that catch ``device="cuda"`` before any dispatch.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import operator
 import os
@@ -39,7 +40,7 @@ __all__ = ["SimDispatchMode", "SimFunctionMode", "SimTensor", "OPS", "register_o
            "register_default", "enter_modes", "spread_to_new_threads", "stop_spreading",
            "is_device", "wrap", "inner_of", "empty_device", "to", "devices_of", "Proxy",
            "from_proxy", "map_args", "map_out", "like_strides", "wrap_fresh", "keep_lane",
-           "forget_lanes", "layout_id"]
+           "forget_lanes", "layout_id", "like_inference"]
 
 aten = torch.ops.aten
 _T = torch.Tensor
@@ -252,30 +253,27 @@ def _to_proxy(x: Any) -> Any:
         return x
     p = x.__dict__.get("_proxy")
     if p is None:  # (it references nothing that references x: no cycle to collect)
-        with torch._C.DisableTorchFunctionSubclass():
-            inference = x.is_inference()
-        if inference:  # (an inference tensor's proxy is one too: torch's checks see it)
-            with torch.inference_mode():
-                p = Proxy(x._inner, x._sim_device, x._host, x._block)
-        elif torch.is_inference_mode_enabled():  # (and a normal tensor's a normal one)
-            with torch.inference_mode(False):
-                p = Proxy(x._inner, x._sim_device, x._host, x._block)
-        else:
-            p = Proxy(x._inner, x._sim_device, x._host, x._block)
-        x._proxy = p
+        with like_inference(x):  # (an inference tensor's proxy is one: torch's checks see it)
+            p = x._proxy = Proxy(x._inner, x._sim_device, x._host, x._block)
     return p
 
 
 def _from_proxy(x: Any) -> Any:
     if not isinstance(x, Proxy):
         return x
-    if torch.is_inference_mode_enabled():
-        with torch._C.DisableTorchFunctionSubclass():
-            normal = not x.is_inference()
-        if normal:  # (a normal result stays one: a view of a normal tensor, say)
-            with torch.inference_mode(False):
-                return SimTensor(x._inner, x._sim_device, x._host, x._block)
-    return SimTensor(x._inner, x._sim_device, x._host, x._block)
+    with like_inference(x):  # (a normal result stays one: a view of a normal tensor, say)
+        return SimTensor(x._inner, x._sim_device, x._host, x._block)
+
+
+def like_inference(t: torch.Tensor) -> Any:
+    """Where wrappers of ``t``'s memory are made as inference tensors if and only if ``t``
+    is one (a wrapper made in inference mode is one; torch's view of a normal tensor is
+    normal there too, as outside it a view of an inference tensor is one)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        inference = t.is_inference()
+    if inference != torch.is_inference_mode_enabled():
+        return torch.inference_mode(inference)
+    return contextlib.nullcontext()
 
 
 def empty_device(sim: SimState, shape: Any, dtype: torch.dtype, index: int,
@@ -911,14 +909,15 @@ def _direct_function(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
 
 
 def _learning_lane(lane: Any, lane_key: Any, op: Any, host_call: Any, args: Any,
-                   kwargs: dict[str, Any], written: Any) -> Any:
+                   kwargs: dict[str, Any], written: Any, flat_call: Any = None) -> Any:
     """:func:`_run_direct`; if this kind of call has not been tried for a lane yet
-    (``lane`` None), its handler may make one (``_ops._Lane``), else none is made."""
+    (``lane`` None), its handler may make one (``_ops._Lane``; its kernel ``flat_call`` of
+    the flattened arguments, if not the binding), else none is made."""
     if lane is not None:
         return _run_direct(op, host_call, args, kwargs, written)
     e = _race_entry
     prev = e.lane
-    e.lane = (lane_key, args, kwargs, None)
+    e.lane = (lane_key, args, kwargs, flat_call)
     try:
         return _run_direct(op, host_call, args, kwargs, written)
     finally:
@@ -1046,19 +1045,8 @@ def _getitem_indices(x: Any, idx: Any) -> Any:
         out = lane(flat)
         if out is not NO_LANE:
             return out
-    args = (x, [idx])
-    if lane is not None:
-        return _dispatch_direct(aten.index.Tensor, _host_index, args, {})
-    e = _race_entry
-    prev = e.lane
-    kwargs: dict[str, Any] = {}
-    e.lane = (lane_key, args, kwargs, _T.__getitem__)
-    try:
-        return _dispatch_direct(aten.index.Tensor, _host_index, args, kwargs)
-    finally:
-        e.lane = prev
-        if lane_key not in _LANES:
-            keep_lane(lane_key, False)
+    return _learning_lane(lane, lane_key, aten.index.Tensor, _host_index, (x, [idx]), {}, (),
+                          _T.__getitem__)
 
 
 def _host_index(x: torch.Tensor, indices: list[torch.Tensor]) -> torch.Tensor:
@@ -1179,15 +1167,12 @@ def _fill_basic(self: Any, view: torch.Tensor, value: Any) -> bool:
     would queue, without making the view a simulated tensor: ``False`` where that lane
     would not run (see ``_ops._Lane``)."""
     sim = current()
-    if sim is None or sim.mode == "random" or self._host is not None or \
-            type(self) is not SimTensor:
+    if sim is None or self._host is not None or type(self) is not SimTensor:
         return False
     sched = sim.sched
-    if sched.closed or sched.bad_fork or _race_entry.learn is not None or in_kernel():
-        return False
     device = self._sim_device
-    stream = sched.current_stream(device.index or 0)
-    if stream.capture is not None:
+    stream = sched.shortcut_stream(device.index or 0)
+    if stream is None:
         return False
     label = _FILL_LABELS.get(device)
     if label is None:
