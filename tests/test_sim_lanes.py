@@ -1,7 +1,8 @@
 """The simulator's lanes (issue 17 item 5): a call of the direct path seen once (its binding,
 shapes, strides, dtypes, numbers and device) goes straight to its allocation, race check and
 queue the next time; and the allocator hands the one block just freed back without pooling
-it. Both are shortcuts of the general path, so the reference here is the general path itself:
+it; and the race checker takes an access whose memory only one stream has touched in fewer
+steps. All are shortcuts of the general path, so the reference here is the general path itself:
 the same random programs run with the shortcuts off and on must give the same values, the
 same addresses, the same ``memory_stats()``, the same counters and the same race errors."""
 
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from pinstage._sim import _alloc, _ops, _tensor
+from pinstage._sim import _alloc, _ops, _races, _tensor
 from pinstage.testing import HazardError, simulated_accelerator
 
 pytestmark = pytest.mark.timeout(300)
@@ -115,8 +116,9 @@ def _run(steps: list[tuple[Any, ...]], mode: str, seed: int) -> dict[str, Any]:
 
 def _general(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every call on the general path: no lanes, no basic assignment's fill queued directly,
-    no recycled block."""
+    no recycled block, no race check by the one-stream shortcut."""
     monkeypatch.setattr(_tensor, "_lane_key", lambda func, args: None)
+    monkeypatch.setattr(_races.RaceTracker, "_solo", lambda self, *a: False)
     monkeypatch.setattr(_tensor, "_fill_basic", lambda self, view, value: False)
     monkeypatch.setattr(_alloc.Allocator, "_recycle", lambda self, size, stream, req: None)
 
@@ -407,3 +409,24 @@ def test_a_lane_of_an_earlier_simulator_with_more_devices_is_not_taken():
         for op in (lambda: a + a, lambda: a.add_(1)):
             with pytest.raises(RuntimeError, match="invalid device ordinal"):
                 op()
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_a_write_on_one_stream_supersedes_its_reads(mode):
+    """x read then written on one stream (the one-stream shortcut each time): another
+    stream's unordered write races with that write, not with the read it superseded
+    (CSAN's report: the last write), and the read is forgotten."""
+    with simulated_accelerator(mode) as sim:
+        x = torch.arange(6.0, device="cuda")
+        y = torch.ones(6, device="cuda")
+        torch.cuda.synchronize()
+        for _ in range(3):  # (the last time each through its lane)
+            x + y  # read of x
+            x.add_(1)  # write of x, on the same stream
+        held = getattr(x._inner, _races._SPAN)[4]
+        assert [p[_races._WHAT] for p in held[2]] == []  # (the reads it covers are gone)
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            with pytest.raises(HazardError, match=r"write-after-write.*add_ on the default"):
+                x.mul_(2)
+        sim.synchronize()

@@ -199,13 +199,14 @@ class RaceTracker:
     def _region(self, t: torch.Tensor) -> list[Any]:
         """What is known of ``t``'s storage: [this tracker, writes not covered by a later
         one, reads since, how many times the caching allocator handed it out again, whether
-        it is pinned host memory]."""
+        it is pinned host memory, its stream id if every record is of that stream and
+        contiguous (see :meth:`_access`), else ``None``]."""
         storage = t.untyped_storage()
         held = getattr(storage, _ATTR, None)
         if held is None or held[0] is not self:
             host = t.device.type == "cpu" and self.is_host is not None and \
                 bool(self.is_host(t))
-            held = [self, [], [], 0, host]
+            held = [self, [], [], 0, host, None]
             setattr(storage, _ATTR, held)
         return held  # type: ignore[no-any-return]
 
@@ -260,9 +261,11 @@ class RaceTracker:
         change (the simulator refuses resizes, and an in-place view op makes a new one): a
         span it keeps is its span."""
         sid = stream.stream_id
+        site = where if where is not None else _where()
+        if trusted and self._solo(stream, sid, seq, what, reads, writes, site):
+            return
         mine = self.clocks.get(sid) or _EMPTY
         host = self.host
-        site = where if where is not None else _where()
         # first every check (nothing is recorded if one raises), then every record
         todo: list[Any] = []  # region, access of each write, then of each read, flat
         for t in writes:
@@ -322,6 +325,62 @@ class RaceTracker:
                         p[_SID] != sid and mine.get(p[_SID], 0) < p[_SEQ] and
                         host.get(p[_SID], 0) < p[_SEQ])]
                 r.append(a)
+        for i in range(0, len(todo), 2):  # (which regions :meth:`_solo` may take)
+            held = todo[i]
+            only = None if held[4] else sid
+            for recs in (held[1], held[2]):
+                for p in recs:
+                    if p[_SID] != only or p[_STRIDE] is not None:
+                        only = None
+                        break
+            held[5] = only
+
+    def _solo(self, stream: Any, sid: int, seq: int, what: str, reads: Any, writes: Any,
+              site: tuple[str, int]) -> bool:
+        """:meth:`_access` of the common case, in fewer steps: every tensor's span kept
+        (``trusted``) and contiguous, and every record of its region on this stream
+        (``held[5]``: queue order orders them all before this access, so none can race with
+        it). Records it as :meth:`_access` would; ``False`` (nothing done) if not that
+        case."""
+        spans = []
+        for t in writes:
+            known = getattr(t, _SPAN, None)
+            if known is None or known[5] is not None or known[4][5] != sid or \
+                    known[4][0] is not self:
+                return False
+            spans.append(known)
+        nw = len(spans)
+        one = writes[0] if nw == 1 else None
+        for t in reads:
+            if t is one or (nw > 1 and any(t is w for w in writes)):
+                continue
+            known = getattr(t, _SPAN, None)
+            if known is None or known[5] is not None or known[4][5] != sid or \
+                    known[4][0] is not self:
+                return False
+            spans.append(known)
+        for i, known in enumerate(spans):
+            lo, hi, held = known[2], known[3], known[4]
+            a = (what, stream, sid, seq, site, lo, hi, known[6], known[7], held[3], None)
+            if i < nw:
+                w = held[1]
+                if len(w) == 1 and w[0][_LO] >= lo and w[0][_HI] <= hi:
+                    w[0] = a
+                else:
+                    if w:
+                        held[1] = w = [p for p in w if p[_LO] < lo or p[_HI] > hi]
+                    w.append(a)
+                if held[2]:
+                    held[2] = [p for p in held[2] if p[_LO] < lo or p[_HI] > hi]
+            else:
+                r = held[2]
+                if len(r) == 1 and r[0][_LO] >= lo and r[0][_HI] <= hi:
+                    r[0] = a
+                else:
+                    if r:
+                        held[2] = r = [p for p in r if p[_LO] < lo or p[_HI] > hi]
+                    r.append(a)
+        return True
 
     # -- the host's own accesses to pinned memory ------------------------------------------
     def host_access(self, what: str, reads: Any = (), writes: Any = ()) -> None:
