@@ -201,6 +201,19 @@ def test_a_lane_races_as_the_general_path_does():
         assert "add_" in str(err.value) and "add" in str(err.value)
 
 
+@pytest.fixture
+def no_inference_tensor_yet() -> Iterator[None]:
+    """As if no inference tensor had been made in this process before (a lane looks for them
+    only once one has)."""
+    made = _tensor.INFERENCE_MADE
+    was, made[0] = made[0], False
+    try:
+        yield
+    finally:
+        made[0] = made[0] or was
+
+
+@pytest.mark.usefixtures("no_inference_tensor_yet")
 def test_a_lane_leaves_inference_tensors_to_torch():
     """An in-place op on an inference tensor outside inference mode raises torch's error,
     also where that kind of call has a lane."""

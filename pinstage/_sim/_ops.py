@@ -32,6 +32,7 @@ from ._sched import Op
 from ._tensor import (
     _DEV,
     _HANDLERS,
+    INFERENCE_MADE,
     NO_LANE,
     Proxy,
     SimTensor,
@@ -489,7 +490,7 @@ class _Lane:
         if stream is None:
             return NO_LANE
         written = self.written
-        if written:
+        if written and INFERENCE_MADE[0]:
             with _NO_SUBCLASS_TF():  # (a SimTensor's method goes to its __torch_function__)
                 for j in written:
                     if args[j].is_inference():

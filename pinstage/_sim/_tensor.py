@@ -40,7 +40,7 @@ __all__ = ["SimDispatchMode", "SimFunctionMode", "SimTensor", "OPS", "register_o
            "register_default", "enter_modes", "spread_to_new_threads", "stop_spreading",
            "is_device", "wrap", "inner_of", "empty_device", "to", "devices_of", "Proxy",
            "from_proxy", "map_args", "map_out", "like_strides", "wrap_fresh", "keep_lane",
-           "forget_lanes", "layout_id", "like_inference"]
+           "forget_lanes", "layout_id", "like_inference", "INFERENCE_MADE"]
 
 aten = torch.ops.aten
 _T = torch.Tensor
@@ -127,12 +127,21 @@ def _positional() -> bool:
 if _positional():
     def _make(cls: Any, size: Any, strides: Any, offset: Any, dtype: torch.dtype,
               layout: Any, device: torch.device) -> Any:
+        if _inference():
+            INFERENCE_MADE[0] = True
         return _make_wrapper(cls, size, strides, offset, None, dtype, layout, device)
 else:
     def _make(cls: Any, size: Any, strides: Any, offset: Any, dtype: torch.dtype,
               layout: Any, device: torch.device) -> Any:
+        if _inference():
+            INFERENCE_MADE[0] = True
         return _make_wrapper(cls, size, strides=strides, storage_offset=offset, dtype=dtype,
                              layout=layout, device=device)
+
+
+# whether a simulated tensor has been made in inference mode (an inference tensor) in this
+# process: until one has, no lane checks whether the tensors it writes are
+INFERENCE_MADE = [False]
 
 
 def _wrapper(cls: Any, inner: torch.Tensor, device: torch.device, host: Any,
@@ -971,6 +980,27 @@ def layout_id(inner: torch.Tensor) -> int:
 def _lane_key(func: Any, args: Any) -> Any:
     """The key of a direct call in :data:`_LANES`: positional simulated tensors (not UVA
     views) on one device and numbers only, else ``None``."""
+    if len(args) == 2:  # (the common call, a binary op or a method of one argument: in fewer
+        a, b = args  # steps, the same key)
+        if type(a) is SimTensor and a._host is None:
+            lk = a._lk
+            if lk is None:
+                lk = a._lk = layout_id(a._inner)
+            device = a._sim_device
+            t = type(b)
+            if t is SimTensor:
+                if b._host is not None:
+                    return None
+                d = b._sim_device
+                if d is not device and d != device:
+                    return None
+                lb = b._lk
+                if lb is None:
+                    lb = b._lk = layout_id(b._inner)
+                return (func, lk, lb, device)
+            if t in _LANE_NUMBERS:
+                return (func, lk, (t, b), device)
+            return None
     parts = [func]
     device = None
     for a in args:
