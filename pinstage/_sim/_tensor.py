@@ -986,20 +986,20 @@ def _lane_key(func: Any, args: Any) -> Any:
             lk = a._lk
             if lk is None:
                 lk = a._lk = layout_id(a._inner)
-            device = a._sim_device
+            dev = a._sim_device
             t = type(b)
             if t is SimTensor:
                 if b._host is not None:
                     return None
                 d = b._sim_device
-                if d is not device and d != device:
+                if d is not dev and d != dev:
                     return None
                 lb = b._lk
                 if lb is None:
                     lb = b._lk = layout_id(b._inner)
-                return (func, lk, lb, device)
+                return (func, lk, lb, dev)
             if t in _LANE_NUMBERS:
-                return (func, lk, (t, b), device)
+                return (func, lk, (t, b), dev)
             return None
     parts = [func]
     device = None
