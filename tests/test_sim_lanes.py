@@ -9,6 +9,7 @@ same addresses, the same ``memory_stats()``, the same counters and the same race
 from __future__ import annotations
 
 import contextlib
+import inspect
 import random
 import re
 from collections.abc import Callable, Iterator
@@ -443,3 +444,24 @@ def test_a_write_on_one_stream_supersedes_its_reads(mode):
             with pytest.raises(HazardError, match=r"write-after-write.*add_ on the default"):
                 x.mul_(2)
         sim.synchronize()
+
+
+def test_a_lane_behind_queued_work_names_the_users_line():
+    """Eager mode, work still queued ahead (a long ``_sleep``): the lane's call is queued
+    the general way, and its race still names the user's line of each access."""
+    with simulated_accelerator("eager"):
+        x = torch.arange(6.0, device="cuda")
+        y = torch.ones(6, device="cuda")
+        _twice(lambda: x + y)
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            x.add_(1)
+            line_w = inspect.currentframe().f_lineno - 1  # type: ignore[union-attr]
+        torch.cuda._sleep(10**9)  # (stays queued: a lane's kernel cannot run now)
+        with pytest.raises(HazardError) as err:
+            x + y
+        line_r = err.traceback[0].lineno + 1
+        msg = str(err.value)
+        assert f"test_sim_lanes.py:{line_r}" in msg and f"test_sim_lanes.py:{line_w}" in msg
+        torch.cuda.synchronize()

@@ -480,7 +480,9 @@ class _Lane:
             self.layout = layout_of(self.shape, self.stride, self.dtype)
         self.ret, self.written, self.count = ret, written, count
 
-    def __call__(self, args: Any) -> Any:
+    def __call__(self, args: Any, frame: Any = None) -> Any:
+        """``frame``: the caller's, where the race checker finds the user's line (else from
+        ``race_entry.frame``)."""
         sim = _ACTIVE[-1] if _ACTIVE else None  # (current())
         if sim is None:
             return NO_LANE
@@ -525,7 +527,7 @@ class _Lane:
 
                 def run(_: list[torch.Tensor]) -> None:
                     call(*ia)
-            sched.kernel(stream, self.label, run, self.name, reads, writes, self.count)
+            sched.kernel(stream, self.label, run, self.name, reads, writes, self.count, frame)
         if written:
             _bump_version([args[j] for j in written])
         return result

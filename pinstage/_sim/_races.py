@@ -35,7 +35,7 @@ import torch
 from .. import _callsite
 from .._errors import HazardError
 
-__all__ = ["RaceTracker", "Access", "entry"]
+__all__ = ["RaceTracker", "Access", "entry", "site_of"]
 
 _PLAIN = torch._C.DisableTorchFunction
 _ATTR = "_pinstage_sim_races"  # on a storage: what its tracker knows of it
@@ -68,8 +68,11 @@ entry = _Entry()
 def _where() -> tuple[str, int]:
     """The user's frame that queued the work: (file, line)."""
     frame: Any = entry.frame
-    if frame is None:
-        frame = sys._getframe(2)
+    return site_of(sys._getframe(2) if frame is None else frame)
+
+
+def site_of(frame: Any) -> tuple[str, int]:
+    """(file, line) of the first of ``frame`` and its callers that is the user's."""
     while frame is not None:
         code = frame.f_code
         known = _USER_CODE.get(id(code))

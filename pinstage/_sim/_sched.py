@@ -27,7 +27,7 @@ import torch
 
 from .._callsite import in_pinstage_call
 from ._hazards import HostRead
-from ._races import RaceTracker
+from ._races import RaceTracker, site_of
 from ._races import entry as race_entry
 
 __all__ = ["Op", "SimStream", "SimEvent", "SimStats", "Scheduler", "MAX_QUEUED", "MODES",
@@ -622,25 +622,33 @@ class Scheduler:
 
     def kernel(self, stream: SimStream, label: str, fn: Callable[[list[torch.Tensor]], Any],
                what: str, reads: list[torch.Tensor], writes: list[torch.Tensor],
-               count: str = "launches") -> None:
+               count: str = "launches", frame: Any = None) -> None:
         """:meth:`enqueue` of a plain kernel of the direct path (``_ops._Lane``: no host reads
         or writes, no dependencies; ``what`` reads ``reads`` and writes ``writes``), its
         caller holding :attr:`lock` and having checked what enqueue checks first (the
         simulator open and not forked, not inside a kernel's body, ``stream`` not
         capturing): race-checked and, in eager mode with nothing queued ahead, run now (the
-        Op made only if it must stay queued), in lazy mode queued."""
+        Op made only if it must stay queued), in lazy mode queued. ``frame``: the caller's
+        (the race checker's user line is found from there), if not ``race_entry.frame``."""
         mode = self.mode
         queue = stream.queue
         if (queue if mode == "eager" else mode != "lazy" or len(queue) >= MAX_QUEUED) or \
                 self.sticky_error is not None or stream.sched is not self:
-            self.enqueue(stream, Op(label, fn, [], host_writes=[], acc=(what, reads, writes),
-                                    plain=True), count)
+            prev = race_entry.frame
+            if frame is not None:
+                race_entry.frame = frame
+            try:
+                self.enqueue(stream, Op(label, fn, [], host_writes=[],
+                                        acc=(what, reads, writes), plain=True), count)
+            finally:
+                race_entry.frame = prev
             return
         self.used = True
         races = self.races
         seq = stream.last + 1
         if races.enabled:
-            races._access(stream, seq, what, reads, writes, None, True)
+            races._access(stream, seq, what, reads, writes,
+                          None if frame is None else site_of(frame), True)
         stats = self.stats
         if count == "launches":
             stats.launches += 1

@@ -819,17 +819,18 @@ class SimFunctionMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
+        frame = sys._getframe(1)  # (the race checker names the user's line from here)
+        if func in _LANE_FUNCS and not kwargs and types == _SIM_TYPES:  # (seen: a lane)
+            lane = _LANES.get(_lane_key(func, args))
+            if lane and not _len_tf() and _len_td() == 1 and not _autocast() and \
+                    not _functorch() and not _inference():  # (_nothing_between())
+                out = lane(args, frame)
+                if out is not NO_LANE:
+                    return out
         e = _race_entry
         prev = e.frame
-        e.frame = sys._getframe(1)  # (the race checker names the user's line from here)
+        e.frame = frame
         try:
-            if func in _LANE_FUNCS and not kwargs and types == _SIM_TYPES:  # (seen: a lane)
-                lane = _LANES.get(_lane_key(func, args))
-                if lane and not _len_tf() and _len_td() == 1 and not _autocast() and \
-                        not _functorch() and not _inference():  # (_nothing_between())
-                    out = lane(args)
-                    if out is not NO_LANE:
-                        return out
             return self._function(func, types, args, kwargs or {})
         finally:
             e.frame = prev
