@@ -331,7 +331,11 @@ class Allocator:
         nbytes, size, numel, key = layout
         if nbytes == 0:
             return torch.empty_strided(shape, stride, dtype=dtype, device="cpu"), None, True
-        block, new = self._take(size, stream, nbytes)
+        block = self._recycle(size, stream, nbytes)
+        if block is not None:
+            new = False
+        else:
+            block, new = self._take(size, stream, nbytes)
         races = stream.sched.races
         held = block.region
         if held is None or held[0] is not races:
@@ -354,9 +358,8 @@ class Allocator:
         return view, Handle(self, block), new
 
     def _take(self, size: int, stream: Any, requested: int) -> tuple[_Block, bool]:
-        block = self._recycle(size, stream, requested)
-        if block is not None:
-            return block, False
+        """A block of ``size`` bytes for ``stream`` (where :meth:`_recycle` has none): a
+        free one from its pool, else a new segment; and whether it is new."""
         self._collect(stream)
         private = self._private_of(stream) if stream.capture is not None or self.routes \
             else None

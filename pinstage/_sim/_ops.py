@@ -497,13 +497,16 @@ class _Lane:
                 for j in written:
                     if args[j].is_inference():
                         return NO_LANE
-        ia = []
-        reads = []
-        for a in args:
-            if type(a) is SimTensor:
-                a = a._inner
-                reads.append(a)
-            ia.append(a)
+        if len(args) == 2 and type(args[0]) is SimTensor and type(args[1]) is SimTensor:
+            ia = reads = [args[0]._inner, args[1]._inner]  # (the common call)
+        else:
+            ia = []
+            reads = []
+            for a in args:
+                if type(a) is SimTensor:
+                    a = a._inner
+                    reads.append(a)
+                ia.append(a)
         call = self.call
         with sched.lock:
             if self.ret < 0:

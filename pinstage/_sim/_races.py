@@ -202,8 +202,8 @@ class RaceTracker:
     def _region(self, t: torch.Tensor) -> list[Any]:
         """What is known of ``t``'s storage: [this tracker, writes not covered by a later
         one, reads since, how many times the caching allocator handed it out again, whether
-        it is pinned host memory, its stream id if every record is of that stream and
-        contiguous (see :meth:`_access`), else ``None``]."""
+        it is pinned host memory, the stream every record is of if they are all of one and
+        contiguous (see :meth:`_solo`), else ``None``]."""
         storage = t.untyped_storage()
         held = getattr(storage, _ATTR, None)
         if held is None or held[0] is not self:
@@ -265,7 +265,7 @@ class RaceTracker:
         span it keeps is its span."""
         sid = stream.stream_id
         site = where if where is not None else _where()
-        if trusted and self._solo(stream, sid, seq, what, reads, writes, site):
+        if trusted and self._solo(stream, seq, what, reads, writes, site):
             return
         mine = self.clocks.get(sid) or _EMPTY
         host = self.host
@@ -330,26 +330,26 @@ class RaceTracker:
                 r.append(a)
         for i in range(0, len(todo), 2):  # (which regions :meth:`_solo` may take)
             held = todo[i]
-            only = None if held[4] else sid
+            only = None if held[4] else stream
             for recs in (held[1], held[2]):
                 for p in recs:
-                    if p[_SID] != only or p[_STRIDE] is not None:
+                    if p[_STREAM] is not only or p[_STRIDE] is not None:
                         only = None
                         break
             held[5] = only
 
-    def _solo(self, stream: Any, sid: int, seq: int, what: str, reads: Any, writes: Any,
+    def _solo(self, stream: Any, seq: int, what: str, reads: Any, writes: Any,
               site: tuple[str, int]) -> bool:
         """:meth:`_access` of the common case, in fewer steps: every tensor's span kept
         (``trusted``) and contiguous, and every record of its region on this stream
         (``held[5]``: queue order orders them all before this access, so none can race with
         it). Records it as :meth:`_access` would; ``False`` (nothing done) if not that
-        case."""
+        case. (``held[5]`` is the stream itself, which the records keep alive: no stream of
+        another tracker is that object.)"""
         spans = []
         for t in writes:
             known = getattr(t, _SPAN, None)
-            if known is None or known[5] is not None or known[4][5] != sid or \
-                    known[4][0] is not self:
+            if known is None or known[4][5] is not stream or known[5] is not None:
                 return False
             spans.append(known)
         nw = len(spans)
@@ -358,11 +358,12 @@ class RaceTracker:
             if t is one or (nw > 1 and any(t is w for w in writes)):
                 continue
             known = getattr(t, _SPAN, None)
-            if known is None or known[5] is not None or known[4][5] != sid or \
-                    known[4][0] is not self:
+            if known is None or known[4][5] is not stream or known[5] is not None:
                 return False
             spans.append(known)
-        for i, known in enumerate(spans):
+        sid = stream.stream_id
+        i = 0
+        for known in spans:
             lo, hi, held = known[2], known[3], known[4]
             a = (what, stream, sid, seq, site, lo, hi, known[6], known[7], held[3], None)
             if i < nw:
@@ -383,6 +384,7 @@ class RaceTracker:
                     if r:
                         held[2] = r = [p for p in r if p[_LO] < lo or p[_HI] > hi]
                     r.append(a)
+            i += 1
         return True
 
     # -- the host's own accesses to pinned memory ------------------------------------------
