@@ -465,3 +465,27 @@ def test_a_lane_behind_queued_work_names_the_users_line():
         msg = str(err.value)
         assert f"test_sim_lanes.py:{line_r}" in msg and f"test_sim_lanes.py:{line_w}" in msg
         torch.cuda.synchronize()
+
+
+def _python_keys_excluded() -> tuple[bool, bool]:
+    excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+    return (excluded(torch._C.DispatchKey.Python),
+            excluded(torch._C.DispatchKey.PythonTLSSnapshot))
+
+
+def test_a_lanes_kernel_leaves_the_dispatch_keys_as_they_were():
+    """Eager mode runs a lane's kernel with the dispatcher's Python keys off (the
+    simulator's dispatch mode need not see a host op): on again after it, also after a
+    kernel that raised."""
+    with simulated_accelerator("eager"):
+        x = torch.arange(6.0, device="cuda")
+        y = torch.ones(6, device="cuda")
+        _twice(lambda: x + y)
+        assert _python_keys_excluded() == (False, False)
+        good = torch.tensor([0, 5], device="cuda")
+        _twice(lambda: x[good])
+        bad = torch.tensor([0, 9], device="cuda")
+        with pytest.raises((IndexError, RuntimeError), match="out of bounds|index"):
+            x[bad]
+        assert _python_keys_excluded() == (False, False)
+        assert (x + y).tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]

@@ -75,6 +75,12 @@ CYCLES_PER_MS = 1_000_000  # a 1 GHz clock
 
 _NO_DISPATCH = torch._C._DisableTorchDispatch  # (no __torch_dispatch__: subclass or mode)
 _dispatch_modes = torch._C._len_torch_dispatch_stack
+# _NO_DISPATCH's work as two switches of this thread's dispatch keys (cheaper to flip than
+# the guard is to make): the keys that call a dispatch mode excluded, and whether they are
+_exclude = torch._C._dispatch_tls_set_dispatch_key_excluded
+_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_PYTHON_KEY = torch._C.DispatchKey.Python
+_SNAPSHOT_KEY = torch._C.DispatchKey.PythonTLSSnapshot
 
 
 _NO_READS: list[torch.Tensor] = []
@@ -662,11 +668,19 @@ class Scheduler:
             queue.append(op)
             return
         try:  # (no _tls.running: a lane's kernel is torch's own op on host tensors, modes off)
-            if _dispatch_modes():
+            if not _dispatch_modes():
+                fn(_NO_READS)
+            elif not _excluded(_PYTHON_KEY) and not _excluded(_SNAPSHOT_KEY):
+                _exclude(_PYTHON_KEY, True)
+                _exclude(_SNAPSHOT_KEY, True)
+                try:
+                    fn(_NO_READS)
+                finally:
+                    _exclude(_PYTHON_KEY, False)
+                    _exclude(_SNAPSHOT_KEY, False)
+            else:
                 with _NO_DISPATCH():
                     fn(_NO_READS)
-            else:
-                fn(_NO_READS)
         except Exception:  # (an error it raises retires it, as in run_until)
             stream.done = seq
             raise
