@@ -73,6 +73,9 @@ def _where() -> tuple[str, int]:
 
 def site_of(frame: Any) -> tuple[str, int]:
     """(file, line) of the first of ``frame`` and its callers that is the user's."""
+    code = frame.f_code
+    if code is _LAST_USER[0]:  # (the user's code found last time: a loop's calls)
+        return code.co_filename, frame.f_lineno
     while frame is not None:
         code = frame.f_code
         known = _USER_CODE.get(id(code))
@@ -81,9 +84,13 @@ def site_of(frame: Any) -> tuple[str, int]:
             known = _USER_CODE[id(code)] = (code, not _callsite._skipped(fn) and (
                 not fn.startswith(_callsite._PKG) or fn in _callsite._AS_USER))
         if known[1]:
+            _LAST_USER[0] = code
             return code.co_filename, frame.f_lineno
         frame = frame.f_back
     return "<unknown>", 0
+
+
+_LAST_USER: list[Any] = [None]
 
 
 # One read or write by work queued on a stream, as a tuple (made on every access: a tuple is
@@ -267,6 +274,11 @@ class RaceTracker:
         site = where if where is not None else _where()
         if trusted and self._solo(stream, seq, what, reads, writes, site):
             return
+        self._general(stream, sid, seq, what, reads, writes, site, trusted)
+
+    def _general(self, stream: Any, sid: int, seq: int, what: str, reads: Any, writes: Any,
+                 site: tuple[str, int], trusted: bool) -> None:
+        """:meth:`_access` of any case (see there)."""
         mine = self.clocks.get(sid) or _EMPTY
         host = self.host
         # first every check (nothing is recorded if one raises), then every record
@@ -340,51 +352,47 @@ class RaceTracker:
 
     def _solo(self, stream: Any, seq: int, what: str, reads: Any, writes: Any,
               site: tuple[str, int]) -> bool:
-        """:meth:`_access` of the common case, in fewer steps: every tensor's span kept
-        (``trusted``) and contiguous, and every record of its region on this stream
-        (``held[5]``: queue order orders them all before this access, so none can race with
-        it). Records it as :meth:`_access` would; ``False`` (nothing done) if not that
-        case. (``held[5]`` is the stream itself, which the records keep alive: no stream of
-        another tracker is that object.)"""
+        """:meth:`_access` of the common case, in fewer steps: one tensor written, every
+        tensor's span kept (``trusted``) and contiguous, and every record of its region on
+        this stream (``held[5]``: queue order orders them all before this access, so none
+        can race with it). Records it as :meth:`_access` would; ``False`` (nothing done) if
+        not that case. (``held[5]`` is the stream itself, which the records keep alive: no
+        stream of another tracker is that object.)"""
+        if len(writes) != 1:
+            return False
+        out = writes[0]
+        known = getattr(out, _SPAN, None)
+        if known is None or known[4][5] is not stream or known[5] is not None:
+            return False
         spans = []
-        for t in writes:
-            known = getattr(t, _SPAN, None)
-            if known is None or known[4][5] is not stream or known[5] is not None:
-                return False
-            spans.append(known)
-        nw = len(spans)
-        one = writes[0] if nw == 1 else None
         for t in reads:
-            if t is one or (nw > 1 and any(t is w for w in writes)):
-                continue
-            known = getattr(t, _SPAN, None)
-            if known is None or known[4][5] is not stream or known[5] is not None:
-                return False
-            spans.append(known)
+            if t is not out:  # (read and written: the write covers both)
+                k = getattr(t, _SPAN, None)
+                if k is None or k[4][5] is not stream or k[5] is not None:
+                    return False
+                spans.append(k)
         sid = stream.stream_id
-        i = 0
+        lo, hi, held = known[2], known[3], known[4]
+        a = (what, stream, sid, seq, site, lo, hi, known[6], known[7], held[3], None)
+        w = held[1]
+        if len(w) == 1 and w[0][_LO] >= lo and w[0][_HI] <= hi:
+            w[0] = a
+        else:
+            if w:
+                held[1] = w = [p for p in w if p[_LO] < lo or p[_HI] > hi]
+            w.append(a)
+        if held[2]:
+            held[2] = [p for p in held[2] if p[_LO] < lo or p[_HI] > hi]
         for known in spans:
             lo, hi, held = known[2], known[3], known[4]
             a = (what, stream, sid, seq, site, lo, hi, known[6], known[7], held[3], None)
-            if i < nw:
-                w = held[1]
-                if len(w) == 1 and w[0][_LO] >= lo and w[0][_HI] <= hi:
-                    w[0] = a
-                else:
-                    if w:
-                        held[1] = w = [p for p in w if p[_LO] < lo or p[_HI] > hi]
-                    w.append(a)
-                if held[2]:
-                    held[2] = [p for p in held[2] if p[_LO] < lo or p[_HI] > hi]
+            r = held[2]
+            if len(r) == 1 and r[0][_LO] >= lo and r[0][_HI] <= hi:
+                r[0] = a
             else:
-                r = held[2]
-                if len(r) == 1 and r[0][_LO] >= lo and r[0][_HI] <= hi:
-                    r[0] = a
-                else:
-                    if r:
-                        held[2] = r = [p for p in r if p[_LO] < lo or p[_HI] > hi]
-                    r.append(a)
-            i += 1
+                if r:
+                    held[2] = r = [p for p in r if p[_LO] < lo or p[_HI] > hi]
+                r.append(a)
         return True
 
     # -- the host's own accesses to pinned memory ------------------------------------------

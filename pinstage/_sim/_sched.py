@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 import threading
 import warnings
 from collections import deque
@@ -652,9 +653,10 @@ class Scheduler:
         self.used = True
         races = self.races
         seq = stream.last + 1
-        if races.enabled:
-            races._access(stream, seq, what, reads, writes,
-                          None if frame is None else site_of(frame), True)
+        if races.enabled:  # (RaceTracker._access: its shortcut first)
+            site = site_of(frame or race_entry.frame or sys._getframe(1))
+            if not races._solo(stream, seq, what, reads, writes, site):
+                races._general(stream, stream.stream_id, seq, what, reads, writes, site, True)
         stats = self.stats
         if count == "launches":
             stats.launches += 1
