@@ -483,9 +483,9 @@ class _Lane:
     def __call__(self, args: Any, frame: Any = None) -> Any:
         """``frame``: the caller's, where the race checker finds the user's line (else from
         ``race_entry.frame``)."""
-        sim = _ACTIVE[-1] if _ACTIVE else None  # (current())
-        if sim is None:
+        if not _ACTIVE:
             return NO_LANE
+        sim = _ACTIVE[-1]  # (current())
         sched = sim.sched
         index = self.index
         stream = sched.shortcut_stream(index)

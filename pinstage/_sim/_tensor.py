@@ -163,8 +163,7 @@ def wrap_fresh(inner: torch.Tensor, shape: Any, stride: Any, dtype: torch.dtype,
     layout, at its block's start), its metadata known (reading it is three calls into
     torch)."""
     r = _make(SimTensor, shape, stride, 0, dtype, _STRIDED, device)
-    r._inner = inner
-    r._host = None
+    r._inner = inner  # (and _host None: the class's)
     r._sim_device = device
     r._block = block
     return r  # type: ignore[no-any-return]
@@ -174,7 +173,7 @@ class SimTensor(torch.Tensor):
     """A tensor on a simulated CUDA device; its data lives in ``_inner`` (a CPU tensor)."""
 
     _inner: torch.Tensor
-    _host: Any  # the pinned host memory this aliases (a UVA view), else None
+    _host: Any = None  # the pinned host memory this aliases (a UVA view), else None
     _sim_device: torch.device
     _block: Any
     _proxy: Proxy  # this tensor seen as ``cpu``, once made (``_to_proxy``)
