@@ -380,6 +380,7 @@ class Scheduler:
         self._ids = itertools.count(1)
         self._streams: list[SimStream] = []
         self._defaults = [SimStream(self, i) for i in range(device_count)]
+        self._keys = [(id(self), i) for i in range(device_count)]  # (its keys in _tls.stream)
         for default in self._defaults:
             default.cuda_stream = 0  # as CUDA's legacy default stream
         self._captures: dict[int, tuple[int, str]] = {}  # id(graph) -> (thread, mode)
@@ -624,7 +625,7 @@ class Scheduler:
         if self.mode == "random" or self.closed or self.bad_fork or _tls.running or \
                 race_entry.learn is not None or index >= self.device_count:
             return None
-        stream = _tls.stream.get((id(self), index)) or self._defaults[index]
+        stream = _tls.stream.get(self._keys[index]) or self._defaults[index]
         return None if stream.capture is not None else stream
 
     def kernel(self, stream: SimStream, label: str, fn: Callable[[list[torch.Tensor]], Any],

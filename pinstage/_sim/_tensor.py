@@ -124,7 +124,8 @@ def _positional() -> bool:
         return False
 
 
-if _positional():
+_POSITIONAL = _positional()
+if _POSITIONAL:
     def _make(cls: Any, size: Any, strides: Any, offset: Any, dtype: torch.dtype,
               layout: Any, device: torch.device) -> Any:
         if _inference():
@@ -162,7 +163,12 @@ def wrap_fresh(inner: torch.Tensor, shape: Any, stride: Any, dtype: torch.dtype,
     """``SimTensor(inner, device, None, block)`` of a fresh allocation (``inner`` of that
     layout, at its block's start), its metadata known (reading it is three calls into
     torch)."""
-    r = _make(SimTensor, shape, stride, 0, dtype, _STRIDED, device)
+    if _POSITIONAL:  # (_make, one call fewer)
+        if _inference():
+            INFERENCE_MADE[0] = True
+        r = _make_wrapper(SimTensor, shape, stride, 0, None, dtype, _STRIDED, device)
+    else:
+        r = _make(SimTensor, shape, stride, 0, dtype, _STRIDED, device)
     r._inner = inner  # (and _host None: the class's)
     r._sim_device = device
     r._block = block
