@@ -76,11 +76,11 @@ class Handle:
 
     def __init__(self, alloc: Allocator, block: _Block) -> None:
         self.alloc, self.block = alloc, block
-        self.streams: list[Any] = []
+        self.streams: tuple[Any, ...] = ()  # (most tensors never see record_stream)
 
     def record(self, stream: Any) -> None:
         if stream is not self.block.stream and all(s is not stream for s in self.streams):
-            self.streams.append(stream)
+            self.streams = (*self.streams, stream)
 
     def __del__(self) -> None:
         try:  # (may run anywhere, as the collector frees it: only a thread-safe append here)

@@ -15,7 +15,7 @@ op, and ``sim.launch``.
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -516,7 +516,7 @@ class _Lane:
                 if new and sim.mode != "eager":
                     poison_(inner)
                 result = wrap_fresh(inner, shape, stride, dtype, self.device, handle)
-                writes = [inner]
+                writes: Sequence[torch.Tensor] = (inner,)
                 into = self.into
                 if into is not None:
                     def run(_: list[torch.Tensor]) -> None:

@@ -19,7 +19,7 @@ import sys
 import threading
 import warnings
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -645,7 +645,7 @@ class Scheduler:
         return None if stream.capture is not None else stream
 
     def kernel(self, stream: SimStream, label: str, fn: Callable[[list[torch.Tensor]], Any],
-               what: str, reads: list[torch.Tensor], writes: list[torch.Tensor],
+               what: str, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor],
                count: str = "launches", frame: Any = None) -> None:
         """:meth:`enqueue` of a plain kernel of the direct path (``_ops._Lane``: no host reads
         or writes, no dependencies; ``what`` reads ``reads`` and writes ``writes``), its
