@@ -15,7 +15,7 @@ op, and ``sim.launch``.
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -516,24 +516,25 @@ class _Lane:
                 if new and sim.mode != "eager":
                     poison_(inner)
                 result = wrap_fresh(inner, shape, stride, dtype, self.device, handle)
-                writes: Sequence[torch.Tensor] = (inner,)
                 into = self.into
                 if into is not None:
-                    def run(_: list[torch.Tensor]) -> None:
-                        into(*ia, out=inner)
+                    sched.kernel(stream, self.label, into, ia, inner, self.name, reads,
+                                 (inner,), self.count, frame)
                 else:
-                    def run(_: list[torch.Tensor]) -> None:
-                        inner.copy_(call(*ia))
+                    sched.kernel(stream, self.label, _copy_result, (inner, call, *ia), None,
+                                 self.name, reads, (inner,), self.count, frame)
             else:
                 result = args[self.ret]
-                writes = [args[j]._inner for j in written]
-
-                def run(_: list[torch.Tensor]) -> None:
-                    call(*ia)
-            sched.kernel(stream, self.label, run, self.name, reads, writes, self.count, frame)
+                sched.kernel(stream, self.label, call, ia, None, self.name, reads,
+                             [args[j]._inner for j in written], self.count, frame)
         if written:
             _bump_version([args[j] for j in written])
         return result
+
+
+def _copy_result(out: torch.Tensor, call: Any, *args: Any) -> None:
+    """A lane's kernel for a binding without ``out=``: its result copied into ``out``."""
+    out.copy_(call(*args))
 
 
 # (the shape cache's key of a call, torch binding's name) -> torch's function of that name,

@@ -140,6 +140,14 @@ def _plain_kernel(label: str, fn: Callable[[list[torch.Tensor]], Any], stream: S
     return op
 
 
+def _kernel_fn(call: Callable[..., Any], args: Any, out: torch.Tensor | None
+               ) -> Callable[[list[torch.Tensor]], Any]:
+    """An Op's function for :meth:`Scheduler.kernel`'s ``call(*args[, out=out])``."""
+    if out is None:
+        return lambda _: call(*args)
+    return lambda _: call(*args, out=out)
+
+
 _new_op = object.__new__
 _NOTHING: Any = ()
 
@@ -644,25 +652,28 @@ class Scheduler:
         stream = _tls.stream.get(self._keys[index]) or self._defaults[index]
         return None if stream.capture is not None else stream
 
-    def kernel(self, stream: SimStream, label: str, fn: Callable[[list[torch.Tensor]], Any],
-               what: str, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor],
-               count: str = "launches", frame: Any = None) -> None:
+    def kernel(self, stream: SimStream, label: str, call: Callable[..., Any], args: Any,
+               out: torch.Tensor | None, what: str, reads: Sequence[torch.Tensor],
+               writes: Sequence[torch.Tensor], count: str = "launches",
+               frame: Any = None) -> None:
         """:meth:`enqueue` of a plain kernel of the direct path (``_ops._Lane``: no host reads
-        or writes, no dependencies; ``what`` reads ``reads`` and writes ``writes``), its
-        caller holding :attr:`lock` and having checked what enqueue checks first (the
-        simulator open and not forked, not inside a kernel's body, ``stream`` not
-        capturing): race-checked and, in eager mode with nothing queued ahead, run now (the
-        Op made only if it must stay queued), in lazy mode queued. ``frame``: the caller's
-        (the race checker's user line is found from there), if not ``race_entry.frame``."""
+        or writes, no dependencies): ``call(*args)``, or ``call(*args, out=out)``, on host
+        tensors, which reads ``reads`` and writes ``writes`` (``what``, for the race checker).
+        Its caller holds :attr:`lock` and has checked what enqueue checks first (the
+        simulator open and not forked, not inside a kernel's body, ``stream``, one of this
+        scheduler's, not capturing): race-checked and, in eager mode with nothing queued
+        ahead, run now (no Op made unless it must stay queued), in lazy mode queued.
+        ``frame``: the caller's (the race checker's user line is found from there), if not
+        ``race_entry.frame``."""
         mode = self.mode
         queue = stream.queue
         if (queue if mode == "eager" else mode != "lazy" or len(queue) >= MAX_QUEUED) or \
-                self.sticky_error is not None or stream.sched is not self:
+                self.sticky_error is not None:
             prev = race_entry.frame
             if frame is not None:
                 race_entry.frame = frame
             try:
-                self.enqueue(stream, Op(label, fn, [], host_writes=[],
+                self.enqueue(stream, Op(label, _kernel_fn(call, args, out), [], host_writes=[],
                                         acc=(what, reads, writes), plain=True), count)
             finally:
                 race_entry.frame = prev
@@ -674,38 +685,39 @@ class Scheduler:
             site = site_of(frame or race_entry.frame or sys._getframe(1))
             if not races._solo(stream, seq, what, reads, writes, site):
                 races._general(stream, stream.stream_id, seq, what, reads, writes, site, True)
-        stats = self.stats
         if count == "launches":
-            stats.launches += 1
+            self.stats.launches += 1
         else:
-            setattr(stats, count, getattr(stats, count) + 1)
+            setattr(self.stats, count, getattr(self.stats, count) + 1)
         stream.last = seq
         stream.t += OP_MS
         if mode == "lazy":  # (queued, to run when the host waits)
-            queue.append(_plain_kernel(label, fn, stream, seq))
+            queue.append(_plain_kernel(label, _kernel_fn(call, args, out), stream, seq))
             return
-        try:  # (no _tls.running: a lane's kernel is torch's own op on host tensors, modes off)
-            if not _dispatch_modes():
-                fn(_NO_READS)
-            elif not _excluded(_PYTHON_KEY) and not _excluded(_SNAPSHOT_KEY):
-                _exclude(_PYTHON_KEY, True)
-                _exclude(_SNAPSHOT_KEY, True)
-                try:
-                    fn(_NO_READS)
-                finally:
-                    _exclude(_PYTHON_KEY, False)
-                    _exclude(_SNAPSHOT_KEY, False)
+        # (no _tls.running: a lane's kernel is torch's own op on host tensors, run with the
+        # Python dispatch keys off, as _NO_DISPATCH would, and each back as it was after)
+        python_on = not _excluded(_PYTHON_KEY)
+        snapshot_on = not _excluded(_SNAPSHOT_KEY)
+        if python_on:
+            _exclude(_PYTHON_KEY, True)
+        if snapshot_on:
+            _exclude(_SNAPSHOT_KEY, True)
+        try:
+            if out is None:
+                call(*args)
             else:
-                with _NO_DISPATCH():
-                    fn(_NO_READS)
+                call(*args, out=out)
         except Exception:  # (an error it raises retires it, as in run_until)
             stream.done = seq
             raise
         except BaseException:  # (interrupted: still queued, to run at the next wait)
-            op = Op(label, fn, [], host_writes=[], plain=True)
-            op.stream, op.seq = stream, seq
-            stream.queue.append(op)
+            queue.append(_plain_kernel(label, _kernel_fn(call, args, out), stream, seq))
             raise
+        finally:
+            if python_on:
+                _exclude(_PYTHON_KEY, False)
+            if snapshot_on:
+                _exclude(_SNAPSHOT_KEY, False)
         stream.done = seq
 
     def maybe_progress(self) -> None:

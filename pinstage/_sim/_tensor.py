@@ -1214,11 +1214,8 @@ def _fill_basic(self: Any, view: torch.Tensor, value: Any) -> bool:
     if label is None:
         label = _FILL_LABELS[device] = f"fill_ on {device}"
 
-    def run(_: list[torch.Tensor]) -> None:
-        view.fill_(value)
-
     with sched.lock:
-        sched.kernel(stream, label, run, "fill_", [view], [view])
+        sched.kernel(stream, label, view.fill_, (value,), None, "fill_", (view,), (view,))
     return True
 
 
