@@ -489,3 +489,26 @@ def test_a_lanes_kernel_leaves_the_dispatch_keys_as_they_were():
             x[bad]
         assert _python_keys_excluded() == (False, False)
         assert (x + y).tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+
+
+@pytest.mark.usefixtures("no_inference_tensor_yet")
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_a_view_is_a_view_of_its_base_and_keeps_its_inference_status(mode):
+    """A view op on one simulated tensor (the handler's short way): a view of it (``_base``,
+    one version counter), an inference tensor if and only if its base is one, in and out of
+    inference mode, for one result or several."""
+    with simulated_accelerator(mode):
+        x = torch.arange(6.0, device="cuda")
+        v = x.view(2, 3)
+        assert v._base is x and not v.is_inference()
+        v.add_(1)
+        assert x._version == v._version == 1
+        with torch.inference_mode():
+            w = x.view(3, 2)
+            t = torch.ones(6, device="cuda")
+        assert not w.is_inference() and w._base is x
+        assert t.view(2, 3).is_inference()
+        parts = t.split(3)
+        assert len(parts) == 2 and all(p.is_inference() for p in parts)
+        assert all(not p.is_inference() for p in x.split(2))
+        assert x.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]

@@ -56,9 +56,22 @@ __all__ = ["launch"]
 aten = torch.ops.aten
 _bump_version = torch._C._increment_version
 _NO_SUBCLASS_TF = torch._C.DisableTorchFunctionSubclass
+_inference = torch.is_inference_mode_enabled
 
 
 def _view(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    base = args[0] if args else None
+    if not kwargs and type(base) is SimTensor and not any(
+            isinstance(x, torch.Tensor) or (type(x) in _SEQ and any(
+                isinstance(e, torch.Tensor) for e in x)) for x in args[1:]):
+        # (the common call, a view of one simulated tensor, in fewer steps: the same)
+        out = func(base._inner, *args[1:])
+        if type(out) is torch.Tensor and not INFERENCE_MADE[0] and not _inference():
+            return SimTensor(out, base._sim_device, base._host, base._block)
+        device, host, block = base._sim_device, base._host, base._block
+        with like_inference(base):
+            return map_out(lambda t: SimTensor(t, device, host, block)
+                           if isinstance(t, torch.Tensor) else t, out)
     flat, spec = _flatten(args, kwargs)
     device, proxy = devices_of(flat, allow_cpu=True)
     base = next(x for x in flat if isinstance(x, _DEV))
