@@ -413,3 +413,25 @@ def test_a_view_is_an_inference_tensor_if_its_base_is(mode):
     """Views of an inference tensor are inference tensors, in inference mode or not; views
     of a normal one are normal; a new result in inference mode is one, as on CPU."""
     _as_on_cpu(_inference_views, mode)
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy", "random"])
+def test_assigning_data_takes_the_other_tensors_memory(mode):
+    """``x.data = y`` (torch's set_data): x reads and writes y's memory, with y's shape and
+    dtype, and keeps it after y is gone (the memory is not handed to a new owner); between
+    a simulated tensor and a CPU tensor it is refused, naming both."""
+    with simulated_accelerator(mode, seed=1):
+        x = torch.zeros(4, device="cuda")
+        y = torch.arange(6, dtype=torch.float64, device="cuda").view(2, 3)
+        version = x._version
+        x.data = y
+        assert x.shape == (2, 3) and x.dtype == torch.float64 and x.device.type == "cuda"
+        assert x.data_ptr() == y.data_ptr() and x._version == version
+        del y
+        z = torch.full((2, 3), 7.0, dtype=torch.float64, device="cuda")  # (not y's memory)
+        x.add_(1)
+        assert x.tolist() == [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]
+        assert z.tolist() == [[7.0] * 3] * 2
+        with pytest.raises(NotImplementedError, match="simulated cuda tensor and y a cpu"):
+            x.data = torch.ones(2, 3, dtype=torch.float64)
+        assert x.tolist() == [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]

@@ -631,6 +631,39 @@ def _requires_grad_(self: torch.Tensor, requires_grad: bool = True) -> torch.Ten
     return self
 
 
+def _set_data(self: torch.Tensor, value: Any) -> None:
+    """``x.data = y``: ``x`` takes ``y``'s memory, shape, strides and dtype (torch's
+    ``set_data``; its version counter and autograd state stay its own). Between a simulated
+    tensor and one elsewhere it is refused (torch would move ``x`` off the device)."""
+    if not (type(self) is SimTensor and type(value) is SimTensor):
+        if is_device(self) or is_device(value):
+            raise NotImplementedError(
+                f"x.data = y with x a {_kind(self)} and y a {_kind(value)}: the simulated CUDA "
+                "supports it between two simulated cuda tensors only; copy the values "
+                "(x.copy_(y)) or rebind the name instead")
+        with torch._C.DisableTorchFunctionSubclass():
+            _DATA.__set__(self, value)
+        return
+    with torch._C.DisableTorchFunctionSubclass():
+        _DATA.__set__(self, value)  # (the wrapper's metadata, and torch's own checks)
+    self._inner = value._inner
+    self._host = value._host
+    self._sim_device = value._sim_device
+    self._block = value._block
+    self._lk = None  # (its layout number, worked out again)
+    self.__dict__.pop("_proxy", None)  # (its cpu view, of the old memory)
+
+
+def _kind(t: Any) -> str:
+    if type(t) is SimTensor:
+        return "simulated cuda tensor"
+    if is_device(t):
+        return "simulated cuda tensor seen as cpu"
+    return f"{t.device.type} tensor" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+_DATA: Any = _T.data  # (the descriptor: its __set__ is what x.data = y calls)
+
 _TF: dict[Any, Callable[..., Any]] = {
     _T.item: _item, _T.__bool__: _bool, _T.__int__: _scalar(int),
     _T.__float__: _scalar(float), _T.__index__: _scalar(int), _T.__complex__: _scalar(complex),
@@ -638,7 +671,7 @@ _TF: dict[Any, Callable[..., Any]] = {
     _T.__str__: _repr, _T.__format__: _format, _T.copy_: _copy_, _T.pin_memory: _pin_memory,
     _T.is_pinned: _is_pinned, _T.data_ptr: _data_ptr, _T.record_stream: _record_stream,
     _T.to: _to, _T.cuda: _cuda, _T.cpu: _cpu, _T.type: _type, _T.new_tensor: _new_tensor,
-    _T.requires_grad_: _requires_grad_, _T.new: _new,
+    _T.requires_grad_: _requires_grad_, _T.new: _new, _DATA.__set__: _set_data,
 }
 _VIA_PROXY = {
     _T.__getitem__, _T.__setitem__, _T.contiguous, _T.float, _T.double, _T.half,
