@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from pinstage._sim import _alloc, _ops, _races, _tensor
+from pinstage._sim import _alloc, _ops, _races, _sched, _tensor
 from pinstage.testing import HazardError, simulated_accelerator
 
 pytestmark = pytest.mark.timeout(300)
@@ -512,3 +512,53 @@ def test_a_view_is_a_view_of_its_base_and_keeps_its_inference_status(mode):
         assert len(parts) == 2 and all(p.is_inference() for p in parts)
         assert all(not p.is_inference() for p in x.split(2))
         assert x.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+
+
+def test_a_stream_of_a_closed_simulator_is_refused_on_the_short_way_too():
+    """``set_stream`` of a stream another simulator made: the calls that have a lane, and a
+    basic assignment, raise the general path's error instead of queuing there."""
+    with simulated_accelerator("eager"):
+        old = torch.cuda.Stream()
+    with simulated_accelerator("eager"):
+        x = torch.arange(4.0, device="cuda")
+        y = torch.ones(4, device="cuda")
+        for _ in range(3):  # (their lanes made)
+            x + y
+            x.add_(1)
+            x[1:3] = 2.0
+        torch.cuda.synchronize()
+        torch.cuda.set_stream(old)
+        for call in (lambda: x + y, lambda: x.add_(1), lambda: x.__setitem__(slice(1, 3), 5.0)):
+            with pytest.raises(RuntimeError, match="belongs to a simulator that has closed"):
+                call()
+        torch.cuda.set_stream(torch.cuda.default_stream())
+        assert x.tolist() == [3.0, 2.0, 2.0, 6.0]  # (0..3, then 3 times +1 and [1:3] = 2)
+
+
+@pytest.mark.parametrize("nth", [1, 2, 3, 4])
+def test_an_interrupt_between_the_dispatch_key_switches_leaves_them_on(nth, monkeypatch):
+    """An interrupt delivered right after any one of the four switches of an eager kernel's
+    Python dispatch keys (off, off, on, on): both are on again after it, the kernel is done
+    once the host waits (run then, or already run), and the next simulated op works."""
+    with simulated_accelerator("eager"):
+        x = torch.arange(4.0, device="cuda")
+        y = torch.ones(4, device="cuda")
+        _twice(lambda: x + y)
+        torch.cuda.synchronize()
+        real = _sched._exclude
+        calls: list[int] = []
+
+        def flaky(key: Any, off: bool) -> None:
+            real(key, off)
+            calls.append(1)
+            if len(calls) == nth:
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(_sched, "_exclude", flaky)
+        with pytest.raises(KeyboardInterrupt):
+            x + y
+        monkeypatch.setattr(_sched, "_exclude", real)
+        assert _python_keys_excluded() == (False, False)
+        torch.cuda.synchronize()  # (the kernel, run or still queued, done)
+        assert torch.cuda.current_stream().query()
+        assert (x * 2).tolist() == [0.0, 2.0, 4.0, 6.0]

@@ -650,7 +650,8 @@ class Scheduler:
                 race_entry.learn is not None or index >= self.device_count:
             return None
         stream = _tls.stream.get(self._keys[index]) or self._defaults[index]
-        return None if stream.capture is not None else stream
+        # (set_stream takes a stream of another simulator: the general path raises for it)
+        return None if stream.capture is not None or stream.sched is not self else stream
 
     def kernel(self, stream: SimStream, label: str, call: Callable[..., Any], args: Any,
                out: torch.Tensor | None, what: str, reads: Sequence[torch.Tensor],
@@ -696,29 +697,35 @@ class Scheduler:
             return
         # (no _tls.running: a lane's kernel is torch's own op on host tensors, run with the
         # Python dispatch keys off, as _NO_DISPATCH would, and each back as it was after)
+        # (an interrupt is delivered after a call returns: each switch is made inside the
+        # try and each restored in a finally of its own, so none is left off; the kernel is
+        # done as soon as it has run, before the switches back)
         python_on = not _excluded(_PYTHON_KEY)
         snapshot_on = not _excluded(_SNAPSHOT_KEY)
-        if python_on:
-            _exclude(_PYTHON_KEY, True)
-        if snapshot_on:
-            _exclude(_SNAPSHOT_KEY, True)
         try:
+            if python_on:
+                _exclude(_PYTHON_KEY, True)
+            if snapshot_on:
+                _exclude(_SNAPSHOT_KEY, True)
             if out is None:
                 call(*args)
             else:
                 call(*args, out=out)
+            stream.done = seq
         except Exception:  # (an error it raises retires it, as in run_until)
             stream.done = seq
             raise
-        except BaseException:  # (interrupted: still queued, to run at the next wait)
-            queue.append(_plain_kernel(label, _kernel_fn(call, args, out), stream, seq))
+        except BaseException:  # (interrupted before it ran: still queued, to run at the
+            if stream.done < seq:  # next wait)
+                queue.append(_plain_kernel(label, _kernel_fn(call, args, out), stream, seq))
             raise
         finally:
-            if python_on:
-                _exclude(_PYTHON_KEY, False)
-            if snapshot_on:
-                _exclude(_SNAPSHOT_KEY, False)
-        stream.done = seq
+            try:
+                if python_on:
+                    _exclude(_PYTHON_KEY, False)
+            finally:
+                if snapshot_on:
+                    _exclude(_SNAPSHOT_KEY, False)
 
     def maybe_progress(self) -> None:
         """Random mode: run a random number of ready operations, on random streams."""
