@@ -320,15 +320,7 @@ class RaceTracker:
             if a[_STRIDE] is not None:  # (strided: it covers only some bytes of [lo, hi))
                 held[1 if write else 2].append(a)
             elif write:
-                w = held[1]
-                if len(w) == 1 and w[0][_LO] >= lo and w[0][_HI] <= hi:
-                    w[0] = a  # (the common case: it covers the one write before)
-                else:
-                    if w:
-                        held[1] = w = [p for p in w if p[_LO] < lo or p[_HI] > hi]
-                    w.append(a)
-                if held[2]:
-                    held[2] = [p for p in held[2] if p[_LO] < lo or p[_HI] > hi]
+                _record_write(held, a)
             else:
                 r = held[2]
                 if r:  # (a read covered and ordered before this one adds nothing)
@@ -372,18 +364,10 @@ class RaceTracker:
                     return False
                 spans.append(k)
         sid = stream.stream_id
-        lo, hi, held = known[2], known[3], known[4]
-        a = (what, stream, sid, seq, site, lo, hi, known[6], known[7], held[3], None)
-        w = held[1]
-        if len(w) == 1 and w[0][_LO] >= lo and w[0][_HI] <= hi:
-            w[0] = a
-        else:
-            if w:
-                held[1] = w = [p for p in w if p[_LO] < lo or p[_HI] > hi]
-            w.append(a)
-        if held[2]:
-            held[2] = [p for p in held[2] if p[_LO] < lo or p[_HI] > hi]
-        for known in spans:
+        held = known[4]
+        _record_write(held, (what, stream, sid, seq, site, known[2], known[3], known[6],
+                             known[7], held[3], None))
+        for known in spans:  # (every read before is of this stream: the ones covered go)
             lo, hi, held = known[2], known[3], known[4]
             a = (what, stream, sid, seq, site, lo, hi, known[6], known[7], held[3], None)
             r = held[2]
@@ -425,6 +409,21 @@ class RaceTracker:
             p = _unordered(prevs, a, _EMPTY, host)  # (no stream: only host waits order it)
             if p is not None:
                 raise _host_error(what, t, lo, hi, write, p, verb)
+
+
+def _record_write(held: list[Any], a: Access) -> None:
+    """Record contiguous write ``a`` in region ``held``: the writes and reads whose bytes it
+    covers go (checked, it is ordered after them all)."""
+    lo, hi = a[_LO], a[_HI]
+    w = held[1]
+    if len(w) == 1 and w[0][_LO] >= lo and w[0][_HI] <= hi:
+        w[0] = a  # (the common case: it covers the one write before)
+    else:
+        if w:
+            held[1] = w = [p for p in w if p[_LO] < lo or p[_HI] > hi]
+        w.append(a)
+    if held[2]:
+        held[2] = [p for p in held[2] if p[_LO] < lo or p[_HI] > hi]
 
 
 def _host_error(what: str, t: torch.Tensor, lo: int, hi: int, write: bool, prev: Access,
