@@ -68,15 +68,13 @@ def _view(sim: SimState, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         out = func(base._inner, *args[1:])
         if type(out) is torch.Tensor and not INFERENCE_MADE[0] and not _inference():
             return SimTensor(out, base._sim_device, base._host, base._block)
-        device, host, block = base._sim_device, base._host, base._block
-        with like_inference(base):
-            return map_out(lambda t: SimTensor(t, device, host, block)
-                           if isinstance(t, torch.Tensor) else t, out)
-    flat, spec = _flatten(args, kwargs)
-    device, proxy = devices_of(flat, allow_cpu=True)
-    base = next(x for x in flat if isinstance(x, _DEV))
-    a, k = _unflatten([x._inner if isinstance(x, _DEV) else x for x in flat], spec)
-    out = func(*a, **k)
+        device, proxy = base._sim_device, False
+    else:
+        flat, spec = _flatten(args, kwargs)
+        device, proxy = devices_of(flat, allow_cpu=True)
+        base = next(x for x in flat if isinstance(x, _DEV))
+        a, k = _unflatten([x._inner if isinstance(x, _DEV) else x for x in flat], spec)
+        out = func(*a, **k)
     host, block = base._host, base._block
     with like_inference(base):  # (a view is an inference tensor if and only if its base is)
         return map_out(lambda t: wrap(t, device, host, proxy, block)
